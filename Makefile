@@ -1,0 +1,45 @@
+# Two commands: `make demo` and `make test`. Each sets up what it needs on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The CPU wheel; on a GPU node use e.g. `make demo TORCH=torch` to take your CUDA build.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test check lint types unit bench bench-small clean
+
+$(STAMP): pyproject.toml client/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ./client -e '.[test]'
+	touch $@
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/cached demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check cached client tests bench
+	$(VENV)/bin/ruff format --check cached client tests bench
+
+types: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest -q
+
+# `check` is what `test` runs: format, lint, types, the test suite, and the benchmark smoke runs.
+check: lint types unit bench-small
+
+test: check
+
+bench: $(STAMP)
+	$(PY) bench/serve.py
+
+bench-small: $(STAMP)
+	$(PY) bench/serve.py --small
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .demo

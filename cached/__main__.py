@@ -1,0 +1,5 @@
+"""``python -m cached``."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,184 @@
+"""Command line: ``cached serve | status | prefetch | demo``. The only place that exits."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from cached_client.errors import CachedClientError
+from cached_client.protocol import Op
+
+from . import __version__
+from .config import Config, format_size, load
+from .errors import CachedError
+
+log = logging.getLogger("cached")
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config", help="TOML config (default: $CACHED_CONFIG, /etc/cached/config.toml)"
+    )
+    p.add_argument("--socket", help="ZeroMQ endpoint, ipc://PATH or tcp://HOST:PORT")
+    p.add_argument("--http", help="admin HTTP address HOST:PORT")
+    p.add_argument("--cache-dir", help="hot tier directory")
+    p.add_argument("--capacity", help="hot tier capacity, e.g. 500GiB")
+    p.add_argument("--endpoint-url", help="S3 endpoint URL (MinIO)")
+
+
+def _config(args: argparse.Namespace) -> Config:
+    return load(
+        args.config,
+        overrides={
+            "server.socket": args.socket,
+            "server.http": args.http,
+            "cache.dir": args.cache_dir,
+            "cache.capacity": args.capacity,
+            "s3.endpoint_url": args.endpoint_url,
+        },
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cached", description="A tiered caching daemon that keeps GPUs fed."
+    )
+    parser.add_argument("--version", action="version", version=f"cached {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon")
+    _add_config_flags(serve)
+
+    status = sub.add_parser("status", help="show the running daemon's state")
+    _add_config_flags(status)
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    prefetch = sub.add_parser("prefetch", help="fetch shards into the hot tier now")
+    _add_config_flags(prefetch)
+    prefetch.add_argument("urls", nargs="+", help="shard URLs or brace patterns")
+
+    demo = sub.add_parser("demo", help="the whole stack on this machine, embedded defaults")
+    demo.add_argument("--epochs", type=int, default=3)
+    demo.add_argument("--shards", type=int, default=16)
+    demo.add_argument("--samples-per-shard", type=int, default=256)
+    demo.add_argument("--workers", type=int, default=2)
+    demo.add_argument("--dir", help="working directory (default: a temporary one)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``cached`` command."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        code = _run(args)
+    except (CachedError, CachedClientError, ValueError) as exc:
+        print(f"cached: error: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        from .daemon import run
+
+        cfg = _config(args)
+        try:
+            import uvloop
+
+            uvloop.run(run(cfg))
+        except ImportError:
+            asyncio.run(run(cfg))
+        return 0
+    if args.command == "status":
+        return _status(_config(args), args.json)
+    if args.command == "prefetch":
+        return _prefetch(_config(args), args.urls)
+    if args.command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(
+            epochs=args.epochs,
+            shards=args.shards,
+            samples_per_shard=args.samples_per_shard,
+            workers=args.workers,
+            workdir=args.dir,
+        )
+    raise AssertionError(args.command)
+
+
+def _status(cfg: Config, as_json: bool) -> int:
+    from cached_client.transport import Connection
+
+    conn = Connection(cfg.server.socket, connect_timeout_s=3.0)
+    header, _ = conn.request({"op": Op.STATUS})
+    status: dict[str, Any] = header["status"]
+    if as_json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    hot, c = status["hot"], status["counters"]
+    opens = c["hits"] + c["misses"]
+    print(f"cached {status['version']}  up {status['uptime_s']:.0f}s  socket {status['socket']}")
+    print(
+        f"hot tier  {hot['dir']}: {hot['shards']} shards, {format_size(hot['used_bytes'])} of "
+        f"{format_size(hot['capacity_bytes'])} ({hot['policy']}), {hot['pinned_shards']} pinned, "
+        f"{hot['fetching_shards']} fetching"
+    )
+    print(
+        f"opens     {opens:.0f}: {c['hits']:.0f} hits, {c['misses']:.0f} misses"
+        + (f" ({c['hits'] / opens:.0%} hit rate)" if opens else "")
+    )
+    print(
+        f"fetched   {format_size(c['fetched_bytes'])}, {c['retries']:.0f} retries, "
+        f"{c['evictions']:.0f} evictions"
+    )
+    print(
+        f"served    {c['served_samples']:.0f} samples, {format_size(c['served_bytes'])}, "
+        f"{status['streams']} streams"
+    )
+    return 0
+
+
+def _prefetch(cfg: Config, patterns: list[str]) -> int:
+    from cached_client.transport import Connection
+    from cached_client.urls import expand_all
+    from tqdm import tqdm
+
+    urls = expand_all(patterns)
+    conn = Connection(cfg.server.socket, connect_timeout_s=3.0)
+    stream = "prefetch"
+    failed = 0
+    # A few opens in flight: the daemon downloads them in parallel within its own limits.
+    window = 8
+    with tqdm(total=len(urls), unit="shard", desc="prefetch") as bar:
+        pending: list[tuple[str, int]] = []
+        todo = list(urls)
+        while todo or pending:
+            while todo and len(pending) < window:
+                url = todo.pop(0)
+                pending.append(
+                    (url, conn.send({"op": Op.OPEN, "url": url, "stream": stream, "pin": False}))
+                )
+            url, rid = pending.pop(0)
+            try:
+                conn.wait(rid)
+            except CachedClientError as exc:
+                failed += 1
+                tqdm.write(f"{url}: {exc}")
+            bar.update(1)
+    if failed:
+        print(f"cached: {failed} of {len(urls)} shards failed", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,283 @@
+"""Configuration: TOML file -> ``CACHED_*`` environment -> CLI flags, into frozen dataclasses.
+
+Validated when loaded: unknown sections and keys fail, sizes parse from human strings
+("500GiB"), and every error names the file (or variable) and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cached_client.protocol import DEFAULT_SOCKET
+
+from .errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/cached/config.toml")
+CONFIG_ENV = "CACHED_CONFIG"
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: str | int) -> int:
+    """Parse ``"500GiB"``, ``"64MB"``, ``"1.5GiB"`` or a plain integer into bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative: {value}")
+        return value
+    match = _SIZE.match(str(value))
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (use e.g. 500GiB, 64MiB, 10GB or bytes)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_size(n: float) -> str:
+    """Format bytes for humans: ``1536 -> '1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _size(default: str) -> Any:
+    return field(default=parse_size(default), metadata={"size": True})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``[server]``: where clients and operators reach the daemon."""
+
+    socket: str = DEFAULT_SOCKET
+    http: str = "127.0.0.1:9464"
+    # A stream's pin on a shard lapses this long after its last request (a killed client).
+    lease_timeout_s: float = 120.0
+    # Largest number of samples one read request may ask for.
+    max_read_samples: int = 4096
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """``[cache]``: the NVMe hot tier."""
+
+    dir: Path = Path("/var/cache/cached")
+    capacity_bytes: int = _size("500GiB")
+    # Keep at least this much free on the file system, whatever the capacity says.
+    min_free_bytes: int = _size("1GiB")
+    policy: str = "lru"
+
+
+@dataclass(frozen=True)
+class S3Config:
+    """``[s3]``: the warm tier. Credentials come from the standard AWS chain."""
+
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    addressing_style: str = "path"
+    part_size_bytes: int = _size("16MiB")
+    part_concurrency: int = 8
+    max_pool_connections: int = 64
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+    retry_attempts: int = 6
+    retry_base_delay_s: float = 0.1
+    retry_max_delay_s: float = 5.0
+    verify_checksum: bool = True
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    """``[prefetch]``: how far ahead of the readers to fetch."""
+
+    lookahead_bytes: int = _size("32GiB")
+    # Shards downloaded at once (each may use several ranged GETs).
+    concurrency: int = 4
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole daemon configuration."""
+
+    server: ServerConfig = ServerConfig()
+    cache: CacheConfig = CacheConfig()
+    s3: S3Config = S3Config()
+    prefetch: PrefetchConfig = PrefetchConfig()
+    source: str = "<defaults>"
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "server": ServerConfig,
+    "cache": CacheConfig,
+    "s3": S3Config,
+    "prefetch": PrefetchConfig,
+}
+# TOML and environment names drop the unit suffix of the dataclass field: `capacity = "1GiB"`.
+_ALIASES = {
+    "capacity": "capacity_bytes",
+    "min_free": "min_free_bytes",
+    "lookahead": "lookahead_bytes",
+    "part_size": "part_size_bytes",
+}
+_POLICIES = ("lru",)
+
+
+def _field_name(section: str, key: str, where: str) -> dataclasses.Field[Any]:
+    cls = _SECTIONS[section]
+    name = _ALIASES.get(key, key)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if name not in fields:
+        public = sorted({next((a for a, n in _ALIASES.items() if n == f), f) for f in fields})
+        raise ConfigError(
+            f"{where}: unknown key [{section}] {key!r}; known keys: {', '.join(public)}"
+        )
+    return fields[name]
+
+
+def _coerce(f: dataclasses.Field[Any], value: Any, where: str, key: str, from_text: bool) -> Any:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if f.metadata.get("size"):
+            return parse_size(value)
+        if kind == "bool":
+            if from_text:
+                if str(value).lower() in ("1", "true", "yes", "on"):
+                    return True
+                if str(value).lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(f"not a boolean: {value!r}")
+            if not isinstance(value, bool):
+                raise ValueError(f"not a boolean: {value!r}")
+            return value
+        if kind == "int":
+            if isinstance(value, bool) or (not from_text and not isinstance(value, int)):
+                raise ValueError(f"not an integer: {value!r}")
+            out = int(value)
+            if out <= 0:
+                raise ValueError(f"must be positive: {value!r}")
+            return out
+        if kind == "float":
+            if isinstance(value, bool) or (not from_text and not isinstance(value, int | float)):
+                raise ValueError(f"not a number: {value!r}")
+            out_f = float(value)
+            if out_f < 0:
+                raise ValueError(f"cannot be negative: {value!r}")
+            return out_f
+        if kind == "Path":
+            return Path(str(value)).expanduser()
+        if kind == "str | None":
+            return None if value in ("", None) else str(value)
+        if not isinstance(value, str):
+            raise ValueError(f"not a string: {value!r}")
+        return value
+    except ValueError as exc:
+        raise ConfigError(f"{where}: bad value for {key}: {exc}") from exc
+
+
+def _validate(cfg: Config) -> None:
+    where = cfg.source
+    if cfg.cache.policy not in _POLICIES:
+        raise ConfigError(
+            f"{where}: [cache] policy must be one of {', '.join(_POLICIES)}, "
+            f"not {cfg.cache.policy!r}"
+        )
+    if not cfg.server.socket.startswith(("ipc://", "tcp://")):
+        raise ConfigError(
+            f"{where}: [server] socket must start with ipc:// or tcp://, not {cfg.server.socket!r}"
+        )
+    host, _, port = cfg.server.http.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"{where}: [server] http must be host:port, not {cfg.server.http!r}")
+    if cfg.s3.addressing_style not in ("path", "virtual", "auto"):
+        raise ConfigError(f"{where}: [s3] addressing_style must be path, virtual or auto")
+    if cfg.cache.capacity_bytes <= 0:
+        raise ConfigError(f"{where}: [cache] capacity must be positive")
+
+
+def load(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Load the configuration.
+
+    ``path`` None means ``$CACHED_CONFIG``, else ``/etc/cached/config.toml`` if it exists,
+    else the embedded defaults. Then ``CACHED_<SECTION>_<KEY>`` variables override
+    (``CACHED_CACHE_CAPACITY=10GiB``), then ``overrides`` (``{"cache.dir": "/x"}``, from flags).
+    Raises :class:`ConfigError` naming the file or variable and the key.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    source = "<defaults>"
+    if path is None and env.get(CONFIG_ENV):
+        path = env[CONFIG_ENV]
+    if path is None and DEFAULT_CONFIG_PATH.exists():
+        path = DEFAULT_CONFIG_PATH
+    if path is not None:
+        source = str(path)
+        try:
+            with open(path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"{path}: config file not found") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+        for section, table in doc.items():
+            if section not in _SECTIONS:
+                raise ConfigError(
+                    f"{path}: unknown section [{section}]; known: {', '.join(_SECTIONS)}"
+                )
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: [{section}] must be a table")
+            for key, value in table.items():
+                f = _field_name(section, key, source)
+                values[section][f.name] = _coerce(f, value, source, f"[{section}] {key}", False)
+    for name, value in env.items():
+        if not name.startswith("CACHED_") or name in (CONFIG_ENV, "CACHED_SOCKET"):
+            continue
+        rest = name[len("CACHED_") :].lower()
+        found = next((s for s in _SECTIONS if rest.startswith(s + "_")), None)
+        if found is None:
+            continue  # other CACHED_* variables (the client's) are not ours
+        key = rest[len(found) + 1 :]
+        f = _field_name(found, key, f"environment {name}")
+        values[found][f.name] = _coerce(f, value, f"environment {name}", name, True)
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, _, key = dotted.partition(".")
+        f = _field_name(section, key, f"flag --{key.replace('_', '-')}")
+        values[section][f.name] = _coerce(f, value, f"flag --{key}", dotted, isinstance(value, str))
+    cfg = Config(
+        server=ServerConfig(**values["server"]),
+        cache=CacheConfig(**values["cache"]),
+        s3=S3Config(**values["s3"]),
+        prefetch=PrefetchConfig(**values["prefetch"]),
+        source=source,
+    )
+    _validate(cfg)
+    return cfg

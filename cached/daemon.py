@@ -1,0 +1,207 @@
+"""The daemon's life: startup -> serve -> drain (bounded) -> shutdown.
+
+One :class:`contextlib.AsyncExitStack` owns every resource (sources, ZeroMQ server, HTTP
+site); background tasks live in one set and are cancelled with a message at shutdown.
+Signals only set a flag; a second signal forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from . import __version__
+from .config import Config
+from .fetcher import Fetcher
+from .http import AdminHTTP
+from .metrics import Metrics
+from .policy import make_policy
+from .server import Server
+from .sources import Sources
+from .tiers.hot import HotTier, Shard
+
+log = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT_S = 5.0
+
+
+class Daemon:
+    """A running cached daemon. ``async with Daemon(cfg) as d: await d.serve_until(stop)``."""
+
+    def __init__(self, cfg: Config, registry: CollectorRegistry | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics(registry)
+        self.ready = False
+        self.started = time.time()
+        self._stack = contextlib.AsyncExitStack()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.hot = HotTier(
+            cfg.cache.dir,
+            cfg.cache.capacity_bytes,
+            cfg.cache.min_free_bytes,
+            make_policy(cfg.cache.policy),
+            on_evict=self._count_eviction,
+        )
+
+    async def __aenter__(self) -> Daemon:
+        try:
+            reloaded = self.hot.load()
+            log.info("hot tier %s: %d complete shards reloaded", self.cfg.cache.dir, reloaded)
+            m = self.metrics
+            self.sources = await self._stack.enter_async_context(
+                Sources(self.cfg.s3, on_retry=lambda reason: m.retries.labels(reason).inc())
+            )
+            self.fetcher = Fetcher(self.sources, self.hot, self.cfg.prefetch.concurrency, m)
+            self.server = await self._stack.enter_async_context(
+                Server(
+                    self.cfg.server.socket,
+                    self.fetcher,
+                    self.hot,
+                    m,
+                    lease_timeout_s=self.cfg.server.lease_timeout_s,
+                    max_read_samples=self.cfg.server.max_read_samples,
+                    status=self.status,
+                )
+            )
+            self.http = await self._stack.enter_async_context(
+                AdminHTTP(self.cfg.server.http, m, self.status, lambda: self.ready)
+            )
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        self._spawn(self.server.serve(), "serve")
+        self._spawn(self.server.expire_leases(), "leases")
+        self._spawn(self._refresh_gauges(), "gauges")
+        self.ready = True
+        log.info(
+            "cached %s ready: socket %s, http %s",
+            __version__,
+            self.server.bound_endpoint,
+            self.http.url,
+        )
+        _sd_notify("READY=1")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.ready = False
+        _sd_notify("STOPPING=1")
+        for task in self._tasks:
+            task.cancel(msg="cached is shutting down")
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=DRAIN_TIMEOUT_S)
+            if pending:
+                log.warning("%d background tasks did not stop in time", len(pending))
+        await self._stack.aclose()
+        log.info("cached stopped")
+
+    async def serve_until(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set or a background task dies."""
+        waiter = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({waiter, *self._tasks}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        for task in done:
+            if task is not waiter and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-able snapshot for ``/status`` and ``cached status``."""
+        hot = self.hot.stats()
+        m = self.metrics
+        return {
+            "version": __version__,
+            "uptime_s": round(time.time() - self.started, 3),
+            "ready": self.ready,
+            "socket": self.server.bound_endpoint if hasattr(self, "server") else None,
+            "http": self.http.url if hasattr(self, "http") else None,
+            "hot": {
+                "dir": str(self.cfg.cache.dir),
+                "shards": hot.shards,
+                "used_bytes": hot.used_bytes,
+                "capacity_bytes": hot.capacity_bytes,
+                "pinned_shards": hot.pinned,
+                "fetching_shards": hot.fetching,
+                "policy": self.cfg.cache.policy,
+            },
+            "counters": {
+                "hits": _value(m.hits),
+                "misses": _value(m.misses),
+                "fetched_bytes": _value(m.fetched_bytes),
+                "evictions": _value(m.evictions),
+                "served_samples": _value(m.served_samples),
+                "served_bytes": _value(m.served_bytes),
+                "retries": _value(m.retries),
+            },
+            "streams": self.server.leases.streams() if hasattr(self, "server") else 0,
+        }
+
+    def _count_eviction(self, shard: Shard) -> None:
+        self.metrics.evictions.inc()
+        self.metrics.evicted_bytes.inc(shard.reserved_bytes)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+
+    async def _refresh_gauges(self) -> None:
+        m = self.metrics
+        while True:
+            hot = self.hot.stats()
+            m.hot_bytes.set(hot.used_bytes)
+            m.hot_capacity_bytes.set(hot.capacity_bytes)
+            m.hot_shards.set(hot.shards)
+            m.pinned_shards.set(hot.pinned)
+            m.fetching_shards.set(hot.fetching)
+            await asyncio.sleep(1.0)
+
+
+def _value(metric: Any) -> float:
+    """Sum of a counter over all its label sets."""
+    return float(
+        sum(s.value for fam in metric.collect() for s in fam.samples if s.name.endswith("_total"))
+    )
+
+
+def _sd_notify(state: str) -> None:
+    """Tell systemd (Type=notify) about our state; a no-op outside systemd."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.connect(path)
+        s.sendall(state.encode())
+
+
+async def run(cfg: Config) -> None:
+    """Run a daemon until SIGINT/SIGTERM. A second signal cancels the drain at once."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    main = asyncio.current_task()
+    signals = (signal.SIGINT, signal.SIGTERM)
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("second %s: exiting now", sig.name)
+            if main is not None:
+                main.cancel()
+            return
+        log.info("%s received: draining (send it again to exit at once)", sig.name)
+        stop.set()
+
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        async with Daemon(cfg) as daemon:
+            await daemon.serve_until(stop)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,59 @@
+"""The daemon's exceptions: one base, one class per subsystem, mixed with the stdlib type
+each resembles so that callers can catch either. Messages say what to do next."""
+
+from __future__ import annotations
+
+from cached_client.protocol import ErrorCode
+from cached_client.protocol import ProtocolError as _WireProtocolError
+
+
+class CachedError(Exception):
+    """Base of every error the daemon raises on purpose."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+
+class ConfigError(CachedError, ValueError):
+    """Bad configuration: the message names the file and key."""
+
+
+class FetchError(CachedError, OSError):
+    """A shard could not be fetched from its source."""
+
+    code = ErrorCode.FETCH_FAILED
+
+
+class ObjectNotFound(FetchError, FileNotFoundError):
+    """The object does not exist at its source (the URL is in the message)."""
+
+    code = ErrorCode.NOT_FOUND
+
+
+class FetchTimeout(FetchError, TimeoutError):
+    """A fetch ran out of its time or retry budget."""
+
+
+class VerifyError(FetchError):
+    """Downloaded bytes do not match the object's size or checksum."""
+
+
+class CacheError(CachedError, OSError):
+    """The hot tier cannot hold or serve a shard."""
+
+
+class CacheFull(CacheError):
+    """No room: every resident shard is pinned by a reader, or the disk is at its floor."""
+
+    code = ErrorCode.CACHE_FULL
+
+
+class NotATarError(CacheError, ValueError):
+    """The shard's bytes are not a tar archive, or the archive is truncated."""
+
+    code = ErrorCode.NOT_A_TAR
+
+
+class ProtocolError(CachedError, _WireProtocolError):
+    """A client sent a malformed request."""
+
+    code = ErrorCode.BAD_REQUEST

@@ -1,0 +1,68 @@
+"""Prometheus metrics of the daemon, on a registry that is passed in (never the global one).
+
+Names follow Prometheus conventions: ``cached_`` prefix, base units, ``_total`` counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_FETCH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    """Every metric the daemon exports. One instance per daemon."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.hits = Counter("cached_hits_total", "Shard opens served from the hot tier", registry=r)
+        self.misses = Counter(
+            "cached_misses_total", "Shard opens that had to wait for a fetch", ["kind"], registry=r
+        )
+        self.fetched_bytes = Counter(
+            "cached_fetched_bytes_total", "Bytes downloaded from remote tiers", ["tier"], registry=r
+        )
+        self.fetches = Counter(
+            "cached_fetches_total", "Completed shard fetches", ["tier", "result"], registry=r
+        )
+        self.fetch_seconds = Histogram(
+            "cached_fetch_seconds",
+            "Time to fetch, verify and publish one shard",
+            buckets=_FETCH_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "cached_fetch_retries_total", "Retried remote requests", ["reason"], registry=r
+        )
+        self.evictions = Counter("cached_evictions_total", "Shards evicted", registry=r)
+        self.evicted_bytes = Counter(
+            "cached_evicted_bytes_total", "Bytes evicted from the hot tier", registry=r
+        )
+        self.served_samples = Counter(
+            "cached_served_samples_total", "Samples sent to clients", registry=r
+        )
+        self.served_bytes = Counter(
+            "cached_served_bytes_total", "Payload bytes sent to clients", registry=r
+        )
+        self.requests = Counter(
+            "cached_requests_total", "Client requests", ["op", "result"], registry=r
+        )
+        self.demand_wait_seconds = Histogram(
+            "cached_demand_wait_seconds",
+            "How long a client's open waited for its shard",
+            buckets=_FETCH_BUCKETS,
+            registry=r,
+        )
+        self.hot_bytes = Gauge("cached_hot_bytes", "Bytes held by the hot tier", registry=r)
+        self.hot_capacity_bytes = Gauge(
+            "cached_hot_capacity_bytes", "Capacity of the hot tier", registry=r
+        )
+        self.hot_shards = Gauge("cached_hot_shards", "Shards resident in the hot tier", registry=r)
+        self.pinned_shards = Gauge(
+            "cached_pinned_shards", "Shards held by readers (not evictable)", registry=r
+        )
+        self.fetching_shards = Gauge(
+            "cached_fetching_shards", "Shards being downloaded", registry=r
+        )
+        self.streams = Gauge("cached_streams", "Client streams with a live lease", registry=r)

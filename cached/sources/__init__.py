@@ -1,0 +1,79 @@
+"""Remote tiers. ``base`` defines the interface; ``s3`` and ``file`` implement it.
+
+:class:`Sources` routes a shard URL to its tier by scheme and owns the tiers' clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+from types import TracebackType
+
+from cached_client.urls import parse
+
+from ..config import S3Config
+from ..errors import FetchError
+from .base import ObjectInfo, Sink, Source
+from .file import FileSource
+from .retry import OnRetry
+from .s3 import S3Source
+
+__all__ = ["FileSource", "ObjectInfo", "S3Source", "Sink", "Source", "Sources"]
+
+
+class Sources:
+    """Every remote tier behind one ``head``/``fetch``, dispatching on the URL scheme.
+
+    ``async with Sources(cfg.s3, on_retry=...) as sources:``. The S3 client is created
+    on the first ``s3://`` URL, so a daemon that only reads ``file://`` shards never
+    walks the AWS credential chain (whose instance-metadata probe can take seconds off
+    EC2). All S3 URLs share that one client and its connection pool.
+    """
+
+    def __init__(self, s3: S3Config | None = None, on_retry: OnRetry | None = None) -> None:
+        self._s3_cfg = s3 if s3 is not None else S3Config()
+        self._on_retry = on_retry
+        self._stack: AsyncExitStack | None = None
+        self._by_scheme: dict[str, Source] = {}
+        self._lock = asyncio.Lock()
+
+    async def __aenter__(self) -> Sources:
+        self._stack = AsyncExitStack()
+        self._by_scheme["file"] = await self._stack.enter_async_context(FileSource())
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stack, self._stack = self._stack, None
+        self._by_scheme.clear()
+        if stack is not None:
+            await stack.aclose()
+
+    async def source_for(self, url: str) -> Source:
+        """The tier that serves ``url``; raises :class:`FetchError` for a bad URL."""
+        try:
+            scheme = parse(url).scheme
+        except ValueError as exc:
+            raise FetchError(str(exc)) from exc
+        source = self._by_scheme.get(scheme)
+        if source is not None:
+            return source
+        async with self._lock:  # one client, however many URLs ask at once
+            if self._stack is None:
+                raise RuntimeError("Sources is not open: use `async with Sources(cfg)`")
+            if scheme not in self._by_scheme and scheme == "s3":
+                s3 = S3Source(self._s3_cfg, on_retry=self._on_retry)
+                self._by_scheme["s3"] = await self._stack.enter_async_context(s3)
+            return self._by_scheme[scheme]
+
+    async def head(self, url: str) -> ObjectInfo:
+        """Look ``url`` up in its tier (see :meth:`Source.head`)."""
+        return await (await self.source_for(url)).head(url)
+
+    async def fetch(self, info: ObjectInfo, sink: Sink) -> None:
+        """Stream ``info.url`` from its tier into ``sink`` (see :meth:`Source.fetch`)."""
+        await (await self.source_for(info.url)).fetch(info, sink)

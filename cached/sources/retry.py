@@ -1,0 +1,186 @@
+"""Bounded retries with jittered exponential backoff, shared by the remote tiers.
+
+botocore's own retries are switched off in the S3 client: they are unbounded in time
+from our point of view, invisible to the metrics, and they would restart a streamed
+body from byte 0. Here every request has an explicit budget of attempts, each retry is
+reported through a hook (so the daemon can count them by reason), and the caller decides
+what a retry re-does (a ranged GET resumes where the delivered bytes end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+import aiohttp
+from botocore import exceptions as boto_exc
+
+from ..config import S3Config
+from ..errors import CachedError, FetchError, FetchTimeout
+
+T = TypeVar("T")
+
+# The reasons a retry is reported with: a small, fixed set, fit for a metric label.
+TIMEOUT: Final = "timeout"
+CONNECTION: Final = "connection"
+THROTTLED: Final = "throttled"
+SERVER_ERROR: Final = "server_error"
+RETRY_REASONS: Final = (TIMEOUT, CONNECTION, THROTTLED, SERVER_ERROR)
+
+# S3 and S3-compatible stores say "slow down" with these codes (503 SlowDown is S3's own).
+_THROTTLE_CODES: Final = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+        "RequestThrottled",
+        "ServiceUnavailable",
+    }
+)
+# 400 RequestTimeout: the server gave up waiting on the connection; a new request is fine.
+_TIMEOUT_CODES: Final = frozenset({"RequestTimeout", "RequestTimeoutException"})
+
+OnRetry = Callable[[str], None]
+Classifier = Callable[[BaseException], str | None]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How many attempts one request gets and how long to wait between them.
+
+    ``attempts`` counts every try, the first included (``attempts=1``: no retries).
+    The wait before retry *n* (1-based) is drawn uniformly from
+    ``[0, min(max_delay_s, base_delay_s * 2**(n-1))]`` ("full jitter"), so that many
+    clients throttled at once do not come back in lock step.
+    """
+
+    attempts: int = 6
+    base_delay_s: float = 0.1
+    max_delay_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be at least 1, not {self.attempts}")
+        if self.base_delay_s < 0 or self.max_delay_s < 0:
+            raise ValueError("retry delays cannot be negative")
+
+    @classmethod
+    def from_s3_config(cls, cfg: S3Config) -> RetryPolicy:
+        """The policy the ``[s3]`` section asks for."""
+        return cls(cfg.retry_attempts, cfg.retry_base_delay_s, cfg.retry_max_delay_s)
+
+    def backoff_s(self, retry: int, rng: random.Random | None = None) -> float:
+        """The (random) wait before retry number ``retry`` (1 for the first retry)."""
+        # Cap the exponent: 2**retry overflows a float long before anyone waits that long.
+        ceiling = min(self.max_delay_s, self.base_delay_s * 2.0 ** min(retry - 1, 62))
+        return (rng or random).uniform(0.0, ceiling)
+
+
+def _client_error_reason(exc: boto_exc.ClientError) -> str | None:
+    response: dict[str, Any] = exc.response or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if not isinstance(status, int):
+        # HEAD errors carry no body; botocore then uses the status as the code.
+        status = int(code) if code.isdigit() else 0
+    if status == 429 or code in _THROTTLE_CODES:
+        return THROTTLED
+    if code in _TIMEOUT_CODES:
+        return TIMEOUT
+    if status >= 500:
+        return THROTTLED if status == 503 else SERVER_ERROR
+    return None
+
+
+def transient_reason(exc: BaseException) -> str | None:
+    """Why ``exc`` is worth retrying (one of ``RETRY_REASONS``), or None if it is not.
+
+    Transient: HTTP 5xx (503 and 429 count as throttling), timeouts, and connections
+    refused, reset or closed mid-body. Not transient: every other HTTP status (404, 403,
+    412, 416, ...), our own errors (a ``VerifyError`` or an exhausted inner budget), and
+    anything unknown, which should surface rather than be retried blindly.
+    """
+    if isinstance(exc, CachedError):
+        return None
+    if isinstance(exc, boto_exc.ClientError):
+        return _client_error_reason(exc)
+    # Timeouts first: botocore's ReadTimeoutError is also an HTTPClientError, and
+    # aiohttp's ServerTimeoutError is also a ClientConnectionError.
+    if isinstance(
+        exc,
+        TimeoutError  # asyncio.TimeoutError is this class since Python 3.11
+        | aiohttp.ServerTimeoutError
+        | boto_exc.ReadTimeoutError
+        | boto_exc.ConnectTimeoutError,
+    ):
+        return TIMEOUT
+    if isinstance(exc, boto_exc.SSLError):
+        return None  # a certificate problem does not fix itself
+    if isinstance(
+        exc,
+        aiohttp.ClientConnectionError
+        | aiohttp.ClientPayloadError
+        | boto_exc.ConnectionError  # EndpointConnectionError, ProxyConnectionError
+        | boto_exc.HTTPClientError  # ConnectionClosedError, ResponseStreamingError
+        | boto_exc.IncompleteReadError
+        | ConnectionError,
+    ):
+        return CONNECTION
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def retrying(
+    op: Callable[[], Awaitable[T]],
+    *,
+    policy: RetryPolicy,
+    what: str,
+    on_retry: OnRetry | None = None,
+    classify: Classifier = transient_reason,
+    rng: random.Random | None = None,
+) -> T:
+    """Await ``op()`` until it succeeds, retrying what ``classify`` calls transient.
+
+    ``op`` is called afresh for every attempt; anything it must resume (a byte offset)
+    it keeps itself. Errors that are not transient propagate unchanged at once. When
+    the budget of ``policy.attempts`` runs out, raises :class:`FetchTimeout` if the last
+    error was a timeout, else :class:`FetchError`; the message names ``what`` (say, the
+    request and its URL), the number of attempts and the last error, which is chained.
+    ``on_retry(reason)`` is called before each wait. Cancellation is never retried.
+    """
+    last: Exception | None = None
+    reason: str | None = None
+    for attempt in range(1, policy.attempts + 1):
+        try:
+            return await op()
+        except Exception as exc:
+            reason = classify(exc)
+            if reason is None:
+                raise
+            last = exc
+            if attempt == policy.attempts:
+                break
+            if on_retry is not None:
+                on_retry(reason)
+            await asyncio.sleep(policy.backoff_s(attempt, rng))
+    assert last is not None and reason is not None  # the loop ran at least once
+    tries = f"{policy.attempts} attempt(s)"
+    message = f"{what}: gave up after {tries}; last error: {_describe(last)}. "
+    if reason == TIMEOUT:
+        raise FetchTimeout(
+            message + "The endpoint is slow or unreachable: check it and the network, "
+            "or raise [s3] read_timeout_s / retry_attempts."
+        ) from last
+    raise FetchError(
+        message + "The endpoint keeps failing: check its health and the network, "
+        "or raise [s3] retry_attempts / retry_max_delay_s."
+    ) from last

@@ -1,0 +1,382 @@
+"""The warm tier: S3 and S3-compatible stores (MinIO) through one aiobotocore client.
+
+Large objects download as parallel ranged GETs in a sliding window, small ones as one
+streamed GET; both hand the sink their bytes in order and verify size and, where the
+ETag allows, MD5. Every request runs under the bounded retries of :mod:`.retry`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+from collections import deque
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import Any, TypeVar
+
+from aiobotocore.config import AioConfig
+from aiobotocore.session import AioSession
+from botocore import exceptions as boto_exc
+from cached_client.urls import ShardURL, parse
+
+from ..config import S3Config
+from ..errors import CachedError, FetchError, ObjectNotFound, VerifyError
+from .base import ObjectInfo, Sink
+from .retry import OnRetry, RetryPolicy, retrying
+
+T = TypeVar("T")
+
+# An ETag that is the object's MD5: single-part uploads (PUT, POST, copy) without SSE-KMS.
+# Multipart uploads get "<md5 of the part md5s>-<parts>", which cannot be recomputed
+# without knowing the part boundaries the uploader chose, so those objects get the size
+# check only (their transport is still covered by TCP and TLS checksums).
+_PLAIN_MD5 = re.compile(r"^[0-9a-f]{32}$")
+# Hash in a worker thread above this size: hashlib releases the GIL, and a 16 MiB part
+# would otherwise hold the event loop for tens of milliseconds.
+_HASH_IN_THREAD_BYTES = 1 << 20
+_NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NoSuchBucket", "NotFound"})
+_DENIED_CODES = frozenset({"403", "AccessDenied", "Forbidden", "InvalidAccessKeyId"})
+_CHANGED_CODES = frozenset({"412", "PreconditionFailed"})
+
+
+class _SinkFailed(Exception):
+    """Carries an exception raised by the caller's sink through the retry loop untouched."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Verifier:
+    """Counts (and, for a plain-MD5 ETag, hashes) the bytes as they go to the sink."""
+
+    def __init__(self, info: ObjectInfo, check_md5: bool) -> None:
+        self._info = info
+        etag = (info.etag or "").strip('"').lower()
+        self._expected_md5 = etag if check_md5 and _PLAIN_MD5.match(etag) else None
+        self._md5 = hashlib.md5(usedforsecurity=False) if self._expected_md5 else None
+        self.delivered = 0
+
+    async def deliver(self, data: bytes, sink: Sink) -> None:
+        """Hash ``data`` and hand it to the sink, overlapping the two for large chunks."""
+        self.delivered += len(data)
+        if self._md5 is None:
+            await sink(data)
+        elif len(data) < _HASH_IN_THREAD_BYTES:
+            self._md5.update(data)
+            await sink(data)
+        else:
+            await asyncio.gather(asyncio.to_thread(self._md5.update, data), sink(data))
+
+    def finish(self) -> None:
+        """Raise :class:`VerifyError` unless every byte arrived and the MD5 matches."""
+        url = self._info.url
+        if self.delivered != self._info.size:
+            raise VerifyError(
+                f"{url}: size mismatch: expected {self._info.size} bytes, got "
+                f"{self.delivered}; the object changed or the transfer was cut; fetch it again"
+            )
+        if self._md5 is not None:
+            got = self._md5.hexdigest()
+            if got != self._expected_md5:
+                raise VerifyError(
+                    f"{url}: MD5 mismatch: expected {self._expected_md5} (the ETag), got "
+                    f"{got}; the bytes were corrupted in transit; fetch it again"
+                )
+
+
+def _status_and_code(exc: boto_exc.ClientError) -> tuple[int, str, str]:
+    response: dict[str, Any] = exc.response or {}
+    error: dict[str, Any] = response.get("Error", {})
+    code = str(error.get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if not isinstance(status, int):
+        status = int(code) if code.isdigit() else 0
+    return status, code, str(error.get("Message", ""))
+
+
+def _translate(exc: Exception, url: str, endpoint: str) -> Exception:
+    """Map a permanent botocore failure to the daemon's errors, saying what to do next."""
+    if isinstance(exc, CachedError):
+        return exc
+    if isinstance(exc, boto_exc.ClientError):
+        status, code, message = _status_and_code(exc)
+        if status == 404 or code in _NOT_FOUND_CODES:
+            return ObjectNotFound(
+                f"{url}: not found at {endpoint} ({code or status}); "
+                "check the URL and that the bucket exists"
+            )
+        if status == 403 or code in _DENIED_CODES:
+            return FetchError(
+                f"{url}: access denied by {endpoint} ({code or status}); check the AWS "
+                "credentials the daemon runs with and the bucket policy"
+            )
+        if status == 412 or code in _CHANGED_CODES:
+            return FetchError(
+                f"{url}: the object changed since it was looked up (its ETag no longer "
+                "matches); look it up and fetch it again"
+            )
+        if status == 416 or code == "InvalidRange":
+            return VerifyError(
+                f"{url}: the object is shorter than the expected size; it changed since "
+                "it was looked up; look it up and fetch it again"
+            )
+        return FetchError(f"{url}: {endpoint} answered {status} {code}: {message}")
+    if isinstance(exc, boto_exc.NoCredentialsError | boto_exc.PartialCredentialsError):
+        return FetchError(
+            f"{url}: no usable AWS credentials: set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or give the node a role"
+        )
+    if isinstance(exc, boto_exc.FlexibleChecksumError):
+        return VerifyError(f"{url}: checksum mismatch reported by botocore: {exc}")
+    if isinstance(exc, boto_exc.BotoCoreError):
+        return FetchError(f"{url}: {type(exc).__name__}: {exc}")
+    return exc
+
+
+# aiobotocore is untyped: these helpers give its two calls a typed edge.
+async def _head_object(client: Any, bucket: str, key: str) -> dict[str, Any]:
+    response: dict[str, Any] = await client.head_object(Bucket=bucket, Key=key)
+    return response
+
+
+async def _get_object(client: Any, **params: str) -> dict[str, Any]:
+    response: dict[str, Any] = await client.get_object(**params)
+    return response
+
+
+async def _read(body: Any, amount: int) -> bytes:
+    data: bytes = await body.read(amount)
+    return data
+
+
+class S3Source:
+    """Reads ``s3://bucket/key`` objects; implements :class:`~cached.sources.base.Source`.
+
+    Use as ``async with S3Source(cfg) as src:``. It owns one aiobotocore client, hence
+    one connection pool (``max_pool_connections``) for the whole daemon. Credentials come
+    from the standard AWS chain. ``on_retry(reason)`` is called for every retry with one
+    of :data:`~cached.sources.retry.RETRY_REASONS`, for the daemon's metrics.
+    """
+
+    def __init__(self, cfg: S3Config, on_retry: OnRetry | None = None) -> None:
+        if cfg.part_size_bytes <= 0 or cfg.part_concurrency <= 0:
+            raise ValueError("part_size_bytes and part_concurrency must be positive")
+        self._cfg = cfg
+        self._policy = RetryPolicy.from_s3_config(cfg)
+        self._on_retry = on_retry
+        self._stack: AsyncExitStack | None = None
+        self._client: Any = None
+        self._endpoint = ""
+        # Reads from a streamed GET are gathered up to this size before the sink sees them:
+        # fewer, larger writes downstream, while memory stays small.
+        self.chunk_size_bytes = min(cfg.part_size_bytes, 1 << 20)
+
+    async def __aenter__(self) -> S3Source:
+        config = AioConfig(
+            s3={"addressing_style": self._cfg.addressing_style},
+            max_pool_connections=self._cfg.max_pool_connections,
+            connect_timeout=self._cfg.connect_timeout_s,
+            read_timeout=self._cfg.read_timeout_s,
+            # Ours are explicit and bounded (see retry.py); botocore's would multiply them.
+            retries={"total_max_attempts": 1},
+        )
+        async with AsyncExitStack() as stack:
+            self._client = await stack.enter_async_context(
+                AioSession().create_client(
+                    "s3",
+                    endpoint_url=self._cfg.endpoint_url,
+                    region_name=self._cfg.region,
+                    config=config,
+                )
+            )
+            self._endpoint = str(self._client.meta.endpoint_url)
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stack, self._stack, self._client = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint URL the client talks to (part of every object's cache identity)."""
+        return self._endpoint
+
+    def _require_client(self) -> Any:
+        if self._client is None:
+            raise RuntimeError("S3Source is not open: use `async with S3Source(cfg) as src`")
+        return self._client
+
+    async def _call(self, what: str, url: str, op: Callable[[], Awaitable[T]]) -> T:
+        """One request under the retry budget, permanent errors translated."""
+        try:
+            return await retrying(op, policy=self._policy, what=what, on_retry=self._on_retry)
+        except _SinkFailed as failed:
+            # The sink's own error, as it raised it: not ours to retry or rename.
+            raise failed.error from failed.error.__cause__
+        except Exception as exc:
+            translated = _translate(exc, url, self._endpoint)
+            if translated is exc:
+                raise
+            raise translated from exc
+
+    async def head(self, url: str) -> ObjectInfo:
+        """Look the object up: its size, and its ETag as the version.
+
+        Raises :class:`ObjectNotFound` (404, no retries), :class:`FetchError` (403 and
+        other failures), :class:`FetchTimeout` when the retry budget runs out on timeouts.
+        """
+        client = self._require_client()
+        loc = _s3_location(url)
+        response = await self._call(
+            f"HEAD {url}", url, lambda: _head_object(client, loc.bucket, loc.key)
+        )
+        size = int(response["ContentLength"])
+        etag = str(response.get("ETag", "")).strip('"') or None
+        if etag is None:
+            # Some S3-compatible stores omit the ETag; fall back to the file-like identity.
+            modified = response.get("LastModified")
+            stamp = modified.timestamp() if modified is not None else 0
+            version = f"{size}-{stamp}"
+        else:
+            version = etag
+        return ObjectInfo(url=url, endpoint=self._endpoint, size=size, version=version, etag=etag)
+
+    async def fetch(self, info: ObjectInfo, sink: Sink) -> None:
+        """Stream the object into ``sink`` in order, then verify size and (plain) MD5.
+
+        Objects above ``part_size_bytes`` download as ranged GETs with at most
+        ``part_concurrency`` in flight: memory stays within ``(part_concurrency + 1) x
+        part_size_bytes``. Every GET carries ``If-Match: <ETag>``, so an object replaced
+        mid-download fails with :class:`FetchError` instead of mixing two versions.
+        A failed part is retried alone; a failed single GET resumes at the first byte
+        the sink has not seen. Exceptions raised by ``sink`` propagate unchanged.
+        """
+        self._require_client()
+        verifier = _Verifier(info, self._cfg.verify_checksum)
+        if info.size > self._cfg.part_size_bytes:
+            await self._fetch_parts(info, sink, verifier)
+        else:
+            await self._fetch_stream(info, sink, verifier)
+        verifier.finish()
+
+    def _get_params(self, info: ObjectInfo, first: int | None, last: int) -> dict[str, str]:
+        loc = _s3_location(info.url)
+        params = {"Bucket": loc.bucket, "Key": loc.key}
+        if first is not None:
+            params["Range"] = f"bytes={first}-{last}"
+        if info.etag:
+            params["IfMatch"] = f'"{info.etag}"'
+        return params
+
+    async def _fetch_stream(self, info: ObjectInfo, sink: Sink, verifier: _Verifier) -> None:
+        """One GET, streamed in chunks; a retry asks only for the bytes not yet delivered."""
+        client = self._client
+        chunk = self.chunk_size_bytes
+
+        async def attempt() -> None:
+            start = verifier.delivered
+            if info.size > 0 and start >= info.size:
+                return
+            # The first attempt takes the whole object; a resumed one, the rest of it.
+            params = self._get_params(info, start or None, info.size - 1)
+            response = await _get_object(client, **params)
+            body = response["Body"]
+            async with body:
+                expected = info.size - start
+                length = int(response.get("ContentLength", expected))
+                if length != expected:
+                    raise VerifyError(
+                        f"{info.url}: size mismatch: expected {info.size} bytes, the server "
+                        f"sends {length} from byte {start}; look the object up again"
+                    )
+                buffer = bytearray()
+
+                async def flush() -> None:
+                    try:
+                        await verifier.deliver(bytes(buffer), sink)
+                    except Exception as exc:
+                        raise _SinkFailed(exc) from exc
+                    buffer.clear()
+
+                while True:
+                    try:
+                        data = await _read(body, chunk - len(buffer))
+                    except Exception:
+                        # The bytes that did arrive are good (the MD5 still checks them):
+                        # hand them over, so that the retry asks only for the rest.
+                        if buffer:
+                            await flush()
+                        raise
+                    if data:
+                        buffer += data
+                    if buffer and (not data or len(buffer) >= chunk):
+                        await flush()
+                    if not data:
+                        return
+
+        await self._call(f"GET {info.url}", info.url, attempt)
+
+    async def _get_part(self, info: ObjectInfo, first: int, last: int) -> bytes:
+        """One ranged GET, retried whole: a part is delivered only once it is complete."""
+        client = self._client
+        params = self._get_params(info, first, last)
+
+        async def attempt() -> bytes:
+            response = await _get_object(client, **params)
+            async with response["Body"] as body:
+                data = await _read(body, -1)
+            if len(data) != last - first + 1:
+                raise VerifyError(
+                    f"{info.url}: size mismatch in bytes {first}-{last}: expected "
+                    f"{last - first + 1} bytes, got {len(data)}; the object is not the "
+                    "expected size; look it up again"
+                )
+            return data
+
+        return await self._call(f"GET {info.url} bytes={first}-{last}", info.url, attempt)
+
+    async def _fetch_parts(self, info: ObjectInfo, sink: Sink, verifier: _Verifier) -> None:
+        """Ranged GETs in a sliding window: start parts ahead, hand them over in order."""
+        size, step = info.size, self._cfg.part_size_bytes
+        ranges = iter([(a, min(a + step, size) - 1) for a in range(0, size, step)])
+        window: deque[asyncio.Task[bytes]] = deque()
+
+        def start_next() -> None:
+            span = next(ranges, None)
+            if span is not None:
+                window.append(asyncio.create_task(self._get_part(info, *span)))
+
+        try:
+            for _ in range(self._cfg.part_concurrency):
+                start_next()
+            while window:
+                data = await window[0]
+                window.popleft()
+                # Refill before the sink works, so the network stays busy while it writes.
+                start_next()
+                await verifier.deliver(data, sink)
+        finally:
+            # On any failure (a part, the sink, cancellation) stop the parts still running.
+            for task in window:
+                task.cancel()
+            await asyncio.gather(*window, return_exceptions=True)
+
+
+def _s3_location(url: str) -> ShardURL:
+    try:
+        parsed = parse(url)
+    except ValueError as exc:
+        raise FetchError(str(exc)) from exc
+    if parsed.scheme != "s3":
+        raise FetchError(f"{url}: not an s3:// URL")
+    return parsed

@@ -1,0 +1,344 @@
+"""Streaming tar indexer: builds a shard's sample index while its bytes arrive.
+
+The fetcher feeds every downloaded chunk (any size, boundaries anywhere) to a
+`TarIndexer`, so the index exists the moment the download ends, with no second pass.
+Member data is never buffered: the indexer skips it by arithmetic and keeps at most
+one partial 512-byte header and one GNU long-name / pax payload (capped) in memory.
+
+Header parsing mirrors Python's `tarfile` (which `webdataset` reads shards with) and
+naming/grouping mirrors `webdataset.tariterators` 1.0.2, so a sample served from the
+cache has the same key, extensions and bytes as `webdataset.WebDataset` would yield.
+Where tarfile quietly stops (bad checksum or truncation after the first header) we
+raise instead: a damaged shard must not enter the cache looking whole.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import zlib
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from cached.errors import CacheError, NotATarError
+
+_BLOCK = 512
+_ZERO_BLOCK = bytes(_BLOCK)
+_MAX_META = 1 << 20  # cap on a GNU long name / pax payload; real ones are < 4 KiB
+_FORMAT = "cached-tar-index"
+_VERSION = 1
+
+# webdataset.tariterators: base_plus_ext, the meta-file rule and tar_file_iterator's
+# default skip_meta. Same patterns with re.match, so even quirks (`$` before a final
+# newline) agree.
+_BASE_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+_SKIP_META = re.compile(r"__[^/]*__($|/)")
+_PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")
+_SIGNED = struct.Struct("148b8x356b")
+
+_REGULAR = frozenset((b"0", b"\0", b"7"))  # tarfile.REGULAR_TYPES minus sparse "S"
+# tarfile skips data only for regular files and types it does not know; dirs, links
+# and devices are assumed to have none, whatever their size field says.
+_SUPPORTED = frozenset((b"0", b"\0", b"1", b"2", b"3", b"4", b"5", b"6", b"7", b"L", b"K", b"S"))
+_PAX_TYPES = frozenset((b"x", b"X"))  # "X" is Solaris' name for "x"
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One file of a sample: its extension (lower-cased) and where its data lies."""
+
+    ext: str
+    offset: int  # byte offset of the member's data in the tar file
+    size: int  # data size in bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """Consecutive members sharing a key, in archive order (webdataset's grouping)."""
+
+    key: str
+    members: tuple[Member, ...]
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """The sample index of one tar shard, stored beside it as a sidecar file."""
+
+    samples: tuple[Sample, ...]
+    size_bytes: int  # total tar size seen
+
+    def to_bytes(self) -> bytes:
+        """Serialize compactly as versioned JSON; `from_bytes` restores it exactly."""
+        rows = [[s.key, [[m.ext, m.offset, m.size] for m in s.members]] for s in self.samples]
+        doc = {"format": _FORMAT, "version": _VERSION, "size": self.size_bytes, "samples": rows}
+        # ensure_ascii keeps surrogate-escaped (non-UTF-8) names representable.
+        return json.dumps(doc, separators=(",", ":")).encode("ascii")
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ShardIndex:
+        """Parse `to_bytes` output; CacheError if it is corrupt or of another version."""
+        try:
+            doc = json.loads(data)
+            if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+                raise ValueError("not a cached tar index")
+            if doc.get("version") != _VERSION:
+                raise ValueError(f"unknown index version {doc.get('version')!r}")
+            samples = tuple(_load_sample(row) for row in doc["samples"])
+            return cls(samples, _nonneg(doc["size"]))
+        except (ValueError, TypeError, KeyError, IndexError, RecursionError) as exc:
+            raise CacheError(f"corrupt shard index ({exc}); delete it to rebuild") from None
+
+    @cached_property
+    def payload_bytes(self) -> int:
+        """Sum of member sizes: the sample bytes the shard holds, without tar overhead."""
+        return sum(m.size for s in self.samples for m in s.members)
+
+
+def _nonneg(value: Any) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"bad integer {value!r}")
+    return value
+
+
+def _load_sample(row: Any) -> Sample:
+    key, members = row
+    if not isinstance(key, str) or not isinstance(members, list):
+        raise ValueError("bad sample row")
+    out = []
+    for ext, offset, size in members:
+        if not isinstance(ext, str):
+            raise ValueError("bad extension")
+        out.append(Member(ext, _nonneg(offset), _nonneg(size)))
+    return Sample(key, tuple(out))
+
+
+class _Corrupt(Exception):
+    """Internal: a header failed validation; feed() turns it into NotATarError."""
+
+
+def _nts(field: bytes) -> str:
+    # tarfile.nts with the stream default encoding (utf-8, surrogateescape)
+    end = field.find(b"\0")
+    return (field if end < 0 else field[:end]).decode("utf-8", "surrogateescape")
+
+
+def _num(field: bytes) -> int:
+    """tarfile.nti: octal text, or GNU base-256 when the first byte is 0x80/0xff."""
+    if field[0] in (0o200, 0o377):
+        n = int.from_bytes(field[1:], "big")
+        return n - 256 ** (len(field) - 1) if field[0] == 0o377 else n
+    end = field.find(b"\0")
+    try:
+        return int((field if end < 0 else field[:end]).decode("ascii").strip() or "0", 8)
+    except ValueError:
+        raise _Corrupt("invalid number field") from None
+
+
+def _checksum_ok(block: bytes) -> bool:
+    stored = _num(block[148:156])
+    # adler32 seeded with 0 keeps the plain byte sum mod 65521 in its low half; runs of
+    # <= 256 bytes cannot reach the modulus, so three calls give the exact sum in C.
+    # (sum(block) costs microseconds per header, which dominates on small members.)
+    a = zlib.adler32
+    total = 256 + (a(block[:148], 0) & 0xFFFF) + (a(block[156:412], 0) & 0xFFFF)
+    if stored == total + (a(block[412:], 0) & 0xFFFF):
+        return True
+    signed: int = sum(_SIGNED.unpack(block))  # old Sun/NeXT tars sum signed chars
+    return stored == 256 + signed
+
+
+class TarIndexer:
+    """Incremental tar parser: `feed` chunks as they download, then `finish`."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url  # only for error messages
+        self._pos = 0  # absolute offset of the next byte feed() will see
+        self._skip = 0  # member data + padding still to pass over
+        self._hdr = bytearray()  # a header block split across chunks
+        self._meta = bytearray()  # payload of an "L"/"x" header being collected
+        self._meta_left = 0  # bytes of that payload (padded) still to come
+        self._meta_type = b""
+        self._headers = 0  # headers parsed so far; the first one decides "is it a tar"
+        self._ended = False  # saw the end-of-archive zero block
+        self._error: NotATarError | None = None
+        self._name: str | None = None  # pending long name (GNU "L" or pax path)
+        self._size: int | None = None  # pending pax size
+        self._pending = False  # an extension header awaits the header it describes
+        self._samples: list[Sample] = []
+        self._key: str | None = None
+        self._members: list[Member] = []
+        self._exts: list[str] = []
+
+    def feed(self, chunk: bytes | memoryview) -> None:
+        """Consume the next bytes of the archive; NotATarError once they cannot be a tar."""
+        if self._error is not None:
+            raise self._error
+        # bytes slice without an extra copy; anything else is viewed as raw bytes
+        data = chunk if isinstance(chunk, bytes) else memoryview(chunk).cast("B")
+        n = len(data)
+        if self._ended:  # trailing zero blocks (or anything) after the end marker
+            self._pos += n
+            return
+        base, i = self._pos, 0
+        try:
+            while i < n:
+                if self._skip:  # the hot path for big members: pure arithmetic
+                    step = min(self._skip, n - i)
+                    self._skip -= step
+                    i += step
+                elif self._meta_left:
+                    step = min(self._meta_left, n - i)
+                    self._meta += data[i : i + step]
+                    self._meta_left -= step
+                    i += step
+                    if not self._meta_left:
+                        self._extension(bytes(self._meta))
+                elif self._hdr or n - i < _BLOCK:
+                    step = min(_BLOCK - len(self._hdr), n - i)
+                    self._hdr += data[i : i + step]
+                    i += step
+                    if len(self._hdr) == _BLOCK:
+                        block = bytes(self._hdr)
+                        self._hdr.clear()
+                        self._header(block, base + i)
+                else:
+                    i += _BLOCK
+                    self._header(bytes(data[i - _BLOCK : i]), base + i)
+                if self._ended:
+                    break
+        except _Corrupt as exc:
+            self._error = self._fail(exc, base + i)
+            raise self._error from None
+        self._pos = base + n
+
+    def finish(self) -> ShardIndex:
+        """End of input: return the index, or NotATarError if the archive is incomplete."""
+        if self._error is not None:
+            raise self._error
+        if not self._ended:
+            where = None
+            if self._pos == 0:
+                where = "is empty"
+            elif self._hdr:
+                where = "ends inside a header"
+            elif self._meta_left or self._pending:
+                where = "ends inside an extended header"
+            elif self._skip:
+                where = "ends inside a member's data"
+            if where is not None:
+                first = "is not a tar archive: it " if self._headers == 0 else "is truncated: it "
+                self._error = NotATarError(
+                    f"{self._url} {first}{where} (at byte {self._pos}); fetch it again"
+                )
+                raise self._error
+        self._flush()
+        return ShardIndex(tuple(self._samples), self._pos)
+
+    def _fail(self, exc: _Corrupt, pos: int) -> NotATarError:
+        what = "is not a tar archive" if self._headers == 0 else "is a corrupt tar archive"
+        return NotATarError(f"{self._url} {what}: {exc} near byte {pos}; fetch it again")
+
+    def _header(self, block: bytes, data_off: int) -> None:
+        """Handle one 512-byte header block; `data_off` is where its data starts."""
+        if block == _ZERO_BLOCK:
+            if self._pending:  # tarfile: SubsequentHeaderError
+                raise _Corrupt("end-of-archive marker after an extended header")
+            # tarfile stops at the first zero block (the second is not checked), and an
+            # archive that starts with one is a valid, empty archive.
+            self._ended = True
+            return
+        if not _checksum_ok(block):
+            raise _Corrupt("bad header checksum")
+        self._headers += 1
+        size = _num(block[124:136])
+        if size < 0:
+            raise _Corrupt("negative member size")
+        kind = block[156:157]
+        if kind == b"L" or kind in _PAX_TYPES:
+            if size > _MAX_META:
+                raise _Corrupt(f"extended header of {size} bytes")
+            self._pending = True
+            self._meta_type = kind
+            self._meta.clear()
+            self._meta_left = -(-size // _BLOCK) * _BLOCK
+            if not size:
+                self._extension(b"")
+            return
+        if kind in (b"K", b"g"):  # link targets and global pax headers: not needed
+            self._pending = True
+            self._skip = -(-size // _BLOCK) * _BLOCK
+            return
+        if kind == b"S":
+            raise _Corrupt("GNU sparse members are not supported")
+        # The first of several chained overrides wins, as in tarfile's recursion.
+        if self._size is not None:
+            size = self._size
+        name = self._name
+        self._name = self._size = None
+        self._pending = False
+        short = _nts(block[:100])
+        regular = kind in _REGULAR and not (kind == b"\0" and short.endswith("/"))
+        if regular or kind not in _SUPPORTED:
+            self._skip = -(-size // _BLOCK) * _BLOCK
+        if regular:
+            if name is None:
+                prefix = _nts(block[345:500])  # ustar: applied whatever the magic says
+                name = f"{prefix}/{short}" if prefix else short
+            self._member(name, data_off, size)
+
+    def _extension(self, payload: bytes) -> None:
+        """A GNU long name or pax extended header is complete: remember its overrides."""
+        if self._meta_type == b"L":
+            if self._name is None:
+                self._name = _nts(payload)
+            return
+        pos = 0
+        name = size = None
+        while (m := _PAX_RECORD.match(payload, pos)) is not None:
+            length = int(m.group(1))
+            if length == 0:
+                raise _Corrupt("invalid pax record")
+            keyword = m.group(2).decode("utf-8", "surrogateescape")
+            value = payload[m.end(2) + 1 : m.start(1) + length - 1]
+            if keyword.startswith("GNU.sparse."):
+                raise _Corrupt("GNU sparse members are not supported")
+            if keyword == "path":
+                name = value.decode("utf-8", "surrogateescape").rstrip("/")
+            elif keyword == "size":
+                try:
+                    size = int(value.decode("utf-8", "surrogateescape"))
+                except ValueError:
+                    size = 0  # what tarfile does with a bad pax number
+            pos += length
+        if name is not None and self._name is None:
+            self._name = name
+        if size is not None and self._size is None:
+            if size < 0:
+                raise _Corrupt("negative member size")
+            self._size = size
+
+    def _member(self, name: str, offset: int, size: int) -> None:
+        # tar_file_iterator's two meta-file rules, then group_by_keys.
+        if "/" not in name and name.startswith("__") and name.endswith("__"):
+            return
+        if _SKIP_META.match(name):
+            return
+        m = _BASE_EXT.match(name)
+        if m is None:
+            return
+        key, ext = m.group(1), m.group(2).lower()
+        # A repeated extension under the same key also starts a new sample (cached's
+        # rule; webdataset 1.0.2 raises ValueError there instead).
+        if key != self._key or ext in self._exts:
+            self._flush()
+            self._key = key
+        self._members.append(Member(ext, offset, size))
+        self._exts.append(ext)
+
+    def _flush(self) -> None:
+        if self._members:
+            self._samples.append(Sample(self._key or "", tuple(self._members)))
+            self._members = []
+            self._exts = []

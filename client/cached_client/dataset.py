@@ -1,0 +1,178 @@
+"""``CachedDataset``: WebDataset-style samples from the cached daemon, as a torch
+``IterableDataset`` for DataLoaders with worker processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from multiprocessing.sharedctypes import Synchronized
+from typing import Any
+
+from torch.utils.data import IterableDataset, get_worker_info
+
+from . import partition
+from .reader import RawSample, read_shard, shard_length
+from .transport import Connection, resolve_endpoint
+from .urls import expand_all
+
+Sample = dict[str, Any]
+
+
+class CachedDataset(IterableDataset[Any]):
+    """Samples of WebDataset tar shards, served by the local cached daemon.
+
+    Each sample is ``{"__key__": str, "__url__": str, "<ext>": bytes, ...}`` as WebDataset
+    yields it (``decode`` may turn it into anything else).
+
+    Args:
+        urls: shard URLs (``s3://bucket/key.tar``, ``file:///path.tar``) or brace patterns
+            (``s3://b/train-{000000..000127}.tar``), one or a list.
+        socket: the daemon's ZeroMQ endpoint; None means ``$CACHED_SOCKET``, else
+            ``ipc:///run/cached/cached.sock``.
+        shuffle: shuffle the shard order per epoch (fixed by ``seed`` and the epoch) and the
+            samples within a buffer of ``shuffle_buffer``.
+        seed: the shuffle seed; the same seed and epoch give the same order.
+        rank, world_size: this process's place in distributed training; None means
+            ``torch.distributed`` when initialized, else ``$RANK``/``$WORLD_SIZE``, else 0/1.
+        equal_batches: every (rank, worker) reader yields exactly the same number of
+            samples, so every rank yields the same number of batches and none waits for
+            another at the end of an epoch (DDP). Costs: the sample count of every shard
+            must be known before the first sample (the daemon fetches and indexes each
+            shard once), and up to ``world_size * num_workers - 1`` samples of each epoch
+            are left out. Without it, every sample is read exactly once but ranks may get
+            different numbers of samples.
+        decode: a function applied to each sample in the worker (e.g. image decoding).
+        inflight: read requests in flight per reader.
+        connect_timeout_s: how long to wait for the daemon's first answer.
+    """
+
+    def __init__(
+        self,
+        urls: str | Iterable[str],
+        *,
+        socket: str | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle_buffer: int = 1000,
+        equal_batches: bool = False,
+        decode: Callable[[Sample], Any] | None = None,
+        inflight: int = 4,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
+        super().__init__()
+        self.urls = expand_all(urls)
+        self.endpoint = resolve_endpoint(socket)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.rank, self.world_size = partition.resolve_rank(rank, world_size)
+        self.shuffle_buffer = shuffle_buffer
+        self.equal_batches = equal_batches
+        self.decode = decode
+        self.inflight = inflight
+        self.connect_timeout_s = connect_timeout_s
+        # Shared with DataLoader workers (persistent ones too), so set_epoch reaches them.
+        self._epoch: Synchronized[int] | int = multiprocessing.Value("q", 0)
+        self._conn: Connection | None = None
+        self._lengths: list[int] | None = None
+
+    # -- epochs -----------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration follows (call before each epoch)."""
+        if isinstance(self._epoch, int):
+            self._epoch = epoch
+        else:
+            self._epoch.value = epoch
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration follows."""
+        return self._epoch if isinstance(self._epoch, int) else int(self._epoch.value)
+
+    # -- pickling into workers ---------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_conn"] = None  # sockets never cross processes; each worker opens its own
+        if not _spawning():
+            # Shared memory crosses only into a process being started; elsewhere, the value.
+            state["_epoch"] = self.epoch
+        return state
+
+    # -- iteration ----------------------------------------------------------------------------
+
+    def connection(self) -> Connection:
+        """This process's connection to the daemon (opened on first use)."""
+        if self._conn is None:
+            self._conn = Connection(self.endpoint, connect_timeout_s=self.connect_timeout_s)
+        self._conn.open()
+        return self._conn
+
+    def stream_position(self) -> tuple[int, int]:
+        """``(stream, streams)``: this reader's index among all ranks' workers."""
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        return self.rank * workers + worker, self.world_size * workers
+
+    def parts(self, epoch: int | None = None) -> list[partition.Part]:
+        """The shard ranges this reader reads in ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        stream, streams = self.stream_position()
+        order = partition.shard_order(
+            len(self.urls), shuffle=self.shuffle, seed=self.seed, epoch=epoch
+        )
+        if not self.equal_batches:
+            return partition.by_shard(order, stream, streams)
+        return partition.by_sample(order, self.lengths(), stream, streams)
+
+    def lengths(self) -> list[int]:
+        """The number of samples of every shard (asks the daemon once per process)."""
+        if self._lengths is None:
+            conn, sid = self.connection(), self._stream_id()
+            self._lengths = [shard_length(conn, url, sid) for url in self.urls]
+        return self._lengths
+
+    def _stream_id(self) -> str:
+        return f"{uuid.uuid4().hex[:12]}/r{self.rank}"
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch = self.epoch
+        stream, _ = self.stream_position()
+        samples: Iterator[Sample] = self._samples(self.parts(epoch))
+        if self.shuffle:
+            rng = random.Random(f"samples/{self.seed}/{epoch}/{stream}")
+            samples = partition.buffered_shuffle(samples, self.shuffle_buffer, rng)
+        if self.decode is None:
+            yield from samples
+        else:
+            for sample in samples:
+                yield self.decode(sample)
+
+    def _samples(self, parts: list[partition.Part]) -> Iterator[Sample]:
+        conn, sid = self.connection(), self._stream_id()
+        for part in parts:
+            url = self.urls[part.shard]
+            raw = read_shard(
+                conn, url, sid, start=part.start, stop=part.stop, inflight=self.inflight
+            )
+            for item in raw:
+                yield to_sample(url, item)
+
+
+def to_sample(url: str, raw: RawSample) -> Sample:
+    """A WebDataset-style dict from a raw sample (the bytes are copied out of the frames)."""
+    key, members = raw
+    sample: Sample = {"__key__": key, "__url__": url}
+    for ext, frame in members:
+        sample[ext] = frame.bytes
+    return sample
+
+
+def _spawning() -> bool:
+    from multiprocessing import context
+
+    return context.get_spawning_popen() is not None

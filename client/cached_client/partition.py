@@ -1,0 +1,102 @@
+"""Who reads what: the epoch's shard order and its split over ranks and DataLoader workers.
+
+Pure functions of (seed, epoch, rank, world size, worker, workers): every process computes
+the same global plan and takes its own part, so no coordination is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Part:
+    """Samples ``start..stop`` of shard ``shard`` (an index into the URL list)."""
+
+    shard: int
+    start: int
+    stop: int | None  # None: to the end of the shard
+
+
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Explicit values, else ``torch.distributed`` when initialized, else ``RANK`` and
+    ``WORLD_SIZE``, else 0 of 1. Raises ``ValueError`` on an impossible pair."""
+    if rank is None or world_size is None:
+        found = _from_distributed() or (
+            int(os.environ.get("RANK", "0")),
+            int(os.environ.get("WORLD_SIZE", "1")),
+        )
+        rank = found[0] if rank is None else rank
+        world_size = found[1] if world_size is None else world_size
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0..{world_size - 1} (world_size {world_size})")
+    return rank, world_size
+
+
+def _from_distributed() -> tuple[int, int] | None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
+def shard_order(n_shards: int, *, shuffle: bool, seed: int, epoch: int) -> list[int]:
+    """The epoch's shard order: natural, or a permutation fixed by (seed, epoch)."""
+    order = list(range(n_shards))
+    if shuffle:
+        random.Random(f"shards/{seed}/{epoch}").shuffle(order)
+    return order
+
+
+def by_shard(order: Sequence[int], stream: int, streams: int) -> list[Part]:
+    """Round-robin of whole shards over ``streams`` readers: each shard read once, whole.
+
+    Readers may end up with different numbers of samples (uneven shards)."""
+    return [Part(shard, 0, None) for shard in order[stream::streams]]
+
+
+def by_sample(
+    order: Sequence[int], lengths: Sequence[int], stream: int, streams: int
+) -> list[Part]:
+    """Equal parts: the epoch's samples, laid end to end in shard order, cut into ``streams``
+    contiguous runs of exactly ``total // streams`` samples. The last ``total % streams``
+    samples of the epoch are left out (fewer than ``streams``; which ones moves with the
+    shuffled order). Contiguous runs keep each shard with one or two readers."""
+    total = sum(lengths[s] for s in order)
+    each = total // streams
+    lo, hi = stream * each, (stream + 1) * each
+    parts: list[Part] = []
+    pos = 0
+    for shard in order:
+        n = lengths[shard]
+        a, b = max(lo, pos), min(hi, pos + n)
+        if a < b:
+            parts.append(Part(shard, a - pos, b - pos))
+        pos += n
+        if pos >= hi:
+            break
+    return parts
+
+
+def buffered_shuffle(items: Iterable[T], size: int, rng: random.Random) -> Iterator[T]:
+    """Shuffle a stream within a buffer of ``size`` items (memory stays bounded)."""
+    if size <= 1:
+        yield from items
+        return
+    buf: list[T] = []
+    for item in items:
+        if len(buf) < size:
+            buf.append(item)
+            continue
+        i = rng.randrange(size)
+        out, buf[i] = buf[i], item
+        yield out
+    rng.shuffle(buf)
+    yield from buf

@@ -1,0 +1,82 @@
+"""Wire protocol v1 between the cached daemon and its clients (standard library only).
+
+Transport: a ZeroMQ ROUTER on the daemon, a DEALER per client stream. Every message is
+multipart: one JSON header frame, then zero or more raw payload frames. A reply carries
+the ``id`` of its request, so a client may keep several requests in flight and match
+replies in any order. See ``docs/protocol.md`` for the full description.
+
+Requests (header fields):
+
+- ``{"op": "hello", "id", "v"}`` -> ``{"id", "ok", "v", "server"}``
+- ``{"op": "open", "id", "url", "stream"}`` -> ``{"id", "ok", "url", "samples", "size"}``;
+  fetches the shard first if it is not in the hot tier (a demand miss).
+- ``{"op": "read", "id", "url", "stream", "start", "count"}`` -> ``{"id", "ok", "start",
+  "next", "end", "samples": [[key, [[ext, size], ...]], ...]}`` followed by one payload
+  frame per member, in order. Reads address samples by (url, index), so a client that
+  reconnects continues at the exact next sample.
+- ``{"op": "close", "id", "url", "stream"}`` -> ``{"id", "ok"}``: releases the stream's pin.
+- ``{"op": "status", "id"}`` -> ``{"id", "ok", "status": {...}}``.
+
+Errors: ``{"id", "ok": false, "code", "message"}`` with ``code`` from :class:`ErrorCode`.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from typing import Any
+
+PROTOCOL_VERSION = 1
+DEFAULT_SOCKET = "ipc:///run/cached/cached.sock"
+SOCKET_ENV = "CACHED_SOCKET"
+
+Header = dict[str, Any]
+
+
+class Op(StrEnum):
+    """Request operations."""
+
+    HELLO = "hello"
+    OPEN = "open"
+    READ = "read"
+    CLOSE = "close"
+    STATUS = "status"
+
+
+class ErrorCode(StrEnum):
+    """Error codes carried in error replies; clients map them to exception types."""
+
+    BAD_REQUEST = "bad_request"
+    VERSION = "version_mismatch"
+    NOT_FOUND = "not_found"
+    NOT_A_TAR = "not_a_tar"
+    FETCH_FAILED = "fetch_failed"
+    CACHE_FULL = "cache_full"
+    OUT_OF_RANGE = "out_of_range"
+    UNAVAILABLE = "unavailable"
+    INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """A message that does not follow the protocol."""
+
+
+def encode(header: Header) -> bytes:
+    """Encode a header frame."""
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def decode(frame: bytes | memoryview) -> Header:
+    """Decode a header frame; raises :class:`ProtocolError` on anything but a JSON object."""
+    try:
+        header = json.loads(bytes(frame))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"header frame is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ProtocolError("header frame must be a JSON object")
+    return header
+
+
+def error(request_id: Any, code: ErrorCode, message: str) -> Header:
+    """Build an error reply header."""
+    return {"id": request_id, "ok": False, "code": code.value, "message": message}

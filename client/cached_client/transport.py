@@ -1,0 +1,225 @@
+"""A synchronous ZeroMQ DEALER to the daemon: requests in flight, timeouts, reconnects.
+
+One :class:`Connection` per stream (per DataLoader worker, or the fast-path reader). It is
+opened lazily in the process that uses it and never crosses a fork.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from typing import Any
+
+import zmq
+
+from .errors import DaemonUnavailable, remote_error
+from .protocol import DEFAULT_SOCKET, PROTOCOL_VERSION, SOCKET_ENV, Header, Op, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+def resolve_endpoint(socket: str | None) -> str:
+    """``socket`` if given, else ``$CACHED_SOCKET``, else the daemon's default endpoint."""
+    return socket or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+
+
+class Connection:
+    """Request/reply over one DEALER socket with several requests in flight.
+
+    Liveness is checked apart from request time: a request may wait minutes for a shard
+    to download, but a daemon that stops answering pings for ``dead_after_s`` is gone.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        connect_timeout_s: float = 5.0,
+        dead_after_s: float = 15.0,
+        request_timeout_s: float = 900.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self.connect_timeout_s = connect_timeout_s
+        self.dead_after_s = dead_after_s
+        self.request_timeout_s = request_timeout_s
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket[bytes] | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Header] = {}  # sent, not yet answered: re-sent on reconnect
+        self._early: dict[int, tuple[Header, list[zmq.Frame]]] = {}
+
+    def _unreachable(self) -> DaemonUnavailable:
+        return DaemonUnavailable(
+            f"cannot reach the cached daemon at {self.endpoint}; is `cached serve` running?"
+        )
+
+    def open(self) -> None:
+        """Connect and shake hands; raises :class:`DaemonUnavailable` or a version error."""
+        if self._sock is not None:
+            return
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        self._sock = sock
+        hello_id = next(self._ids)
+        sock.send(encode({"op": Op.HELLO, "id": hello_id, "v": PROTOCOL_VERSION}))
+        if not sock.poll(int(self.connect_timeout_s * 1000), zmq.POLLIN):
+            self.close()
+            raise self._unreachable()
+        header, _ = self._recv_one()
+        if not header.get("ok"):
+            self.close()
+            raise remote_error(str(header.get("code")), str(header.get("message")))
+
+    def close(self) -> None:
+        """Close the socket (pending requests are kept for a reconnect)."""
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self._early.clear()
+
+    def reconnect(self) -> None:
+        """A fresh socket and handshake, then re-send every unanswered request.
+
+        Requests are idempotent (reads address samples by URL and index), so a resent
+        one is answered exactly as the original would have been.
+        """
+        self.close()
+        self.open()
+        assert self._sock is not None
+        for header in self._pending.values():
+            self._sock.send(encode(header))
+
+    def send(self, header: Header, *, reply: bool = True) -> int:
+        """Send a request without waiting; returns its id.
+
+        With ``reply=False`` the answer is not awaited and is dropped when it comes (used
+        for ``close``, which a client sends on its way out).
+        """
+        self.open()
+        assert self._sock is not None
+        request_id = next(self._ids)
+        header = {**header, "id": request_id}
+        if reply:
+            self._pending[request_id] = header
+        self._sock.send(encode(header))
+        return request_id
+
+    def forget(self, request_ids: list[int]) -> None:
+        """Stop waiting for these requests: their replies are dropped when they come."""
+        for rid in request_ids:
+            self._pending.pop(rid, None)
+            self._early.pop(rid, None)
+
+    def wait(self, request_id: int) -> tuple[Header, list[zmq.Frame]]:
+        """Wait for the reply to ``request_id``; raises the mapped error of an error reply."""
+        header, frames = self._wait(request_id)
+        if not header.get("ok"):
+            raise remote_error(str(header.get("code")), str(header.get("message")))
+        return header, frames
+
+    def request(self, header: Header) -> tuple[Header, list[zmq.Frame]]:
+        """Send a request and wait for its reply."""
+        return self.wait(self.send(header))
+
+    def _wait(self, request_id: int) -> tuple[Header, list[zmq.Frame]]:
+        if request_id in self._early:
+            return self._early.pop(request_id)
+        deadline = time.monotonic() + self.request_timeout_s
+        last_heard = time.monotonic()
+        ping_id: int | None = None
+        while True:
+            assert self._sock is not None
+            if self._sock.poll(1000, zmq.POLLIN):
+                header, frames = self._recv_one()
+                last_heard = time.monotonic()
+                rid = header.get("id")
+                if rid == request_id:
+                    self._pending.pop(request_id, None)
+                    return header, frames
+                if rid == ping_id:
+                    ping_id = None
+                else:
+                    self.stash(header, frames)
+                continue
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(
+                    f"no reply from the cached daemon at {self.endpoint} within "
+                    f"{self.request_timeout_s:.0f}s"
+                )
+            if now - last_heard > self.dead_after_s:
+                log.warning("cached daemon at %s went quiet; reconnecting", self.endpoint)
+                self._reconnect_within(self.dead_after_s)
+                last_heard = time.monotonic()
+                ping_id = None
+            elif ping_id is None and now - last_heard > 2.0:
+                # Not pending: a ping's reply only proves the daemon is alive.
+                ping_id = next(self._ids)
+                self._sock.send(encode({"op": Op.HELLO, "id": ping_id, "v": PROTOCOL_VERSION}))
+
+    def _reconnect_within(self, budget_s: float) -> None:
+        give_up = time.monotonic() + budget_s
+        while True:
+            try:
+                self.reconnect()
+                return
+            except DaemonUnavailable:
+                if time.monotonic() > give_up:
+                    raise
+                time.sleep(0.5)
+
+    def _recv_one(self) -> tuple[Header, list[zmq.Frame]]:
+        assert self._sock is not None
+        parts = self._sock.recv_multipart(copy=False)
+        return decode(parts[0].buffer), parts[1:]
+
+    def recv_header_into(self) -> Header:
+        """Receive only the next message's header frame (the fast path reads the payload
+        frames itself with :meth:`recv_into`)."""
+        assert self._sock is not None
+        if not self._sock.poll(int(self.request_timeout_s * 1000), zmq.POLLIN):
+            raise TimeoutError(f"no reply from the cached daemon at {self.endpoint}")
+        return decode(self._sock.recv())
+
+    def recv_rest(self) -> list[zmq.Frame]:
+        """The remaining frames of the message whose header was just received."""
+        assert self._sock is not None
+        frames = []
+        while self._sock.getsockopt(zmq.RCVMORE):
+            frames.append(self._sock.recv(copy=False))
+        return frames
+
+    def stash(self, header: Header, frames: list[zmq.Frame]) -> None:
+        """Keep a reply that arrived before the one being waited for; drop one that nobody
+        waits for any more (forgotten, or sent with ``reply=False``)."""
+        rid = header.get("id")
+        if isinstance(rid, int) and self._pending.pop(rid, None) is not None:
+            self._early[rid] = (header, frames)
+
+    def settle(self, request_id: int) -> None:
+        """Mark ``request_id`` answered (its reply was read by the caller itself)."""
+        self._pending.pop(request_id, None)
+
+    def pop_early(self, request_id: int) -> tuple[Header, list[zmq.Frame]] | None:
+        """A reply to ``request_id`` that arrived early, if any."""
+        return self._early.pop(request_id, None)
+
+    def recv_into(self, buffer: Any) -> int:
+        """Receive the next payload frame straight into ``buffer`` (a writable buffer)."""
+        assert self._sock is not None
+        return self._sock.recv_into(buffer)
+
+    def more(self) -> bool:
+        """Whether the message being received has more frames."""
+        assert self._sock is not None
+        return bool(self._sock.getsockopt(zmq.RCVMORE))
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+            self._ctx.term()
+        except Exception:  # best effort at interpreter exit
+            pass

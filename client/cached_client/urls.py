@@ -1,0 +1,75 @@
+"""Shard URLs: brace expansion (as WebDataset does) and parsing of ``s3://`` and ``file://``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+_BRACE = re.compile(r"\{([0-9]+)\.\.([0-9]+)\}")
+SCHEMES = ("s3", "file")
+
+
+def expand(pattern: str) -> list[str]:
+    """Expand ``{000..127}`` ranges (zero padding kept, several ranges multiply).
+
+    ``s3://b/train-{000..002}.tar`` -> ``[s3://b/train-000.tar, ..., s3://b/train-002.tar]``.
+    A comma-separated ``{a,b}`` alternative is expanded too.
+    """
+    match = _BRACE.search(pattern)
+    if match is not None:
+        lo, hi = match.group(1), match.group(2)
+        if int(hi) < int(lo):
+            raise ValueError(f"empty brace range {match.group(0)} in {pattern!r}")
+        width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
+        head, tail = pattern[: match.start()], pattern[match.end() :]
+        out: list[str] = []
+        for i in range(int(lo), int(hi) + 1):
+            out.extend(expand(f"{head}{i:0{width}d}{tail}"))
+        return out
+    alt = re.search(r"\{([^{}]*,[^{}]*)\}", pattern)
+    if alt is not None:
+        head, tail = pattern[: alt.start()], pattern[alt.end() :]
+        return [u for part in alt.group(1).split(",") for u in expand(f"{head}{part}{tail}")]
+    return [pattern]
+
+
+def expand_all(urls: str | Iterable[str]) -> list[str]:
+    """Expand one pattern or a list of patterns into a flat list of validated URLs."""
+    items = [urls] if isinstance(urls, str) else list(urls)
+    out = [u for item in items for u in expand(item)]
+    if not out:
+        raise ValueError("no shard URLs given")
+    for url in out:
+        parse(url)
+    return out
+
+
+@dataclass(frozen=True)
+class ShardURL:
+    """A parsed shard URL: ``s3://bucket/key`` or ``file:///abs/path``."""
+
+    scheme: str
+    bucket: str
+    key: str
+
+    @property
+    def path(self) -> str:
+        """The local path of a ``file://`` URL."""
+        return self.key
+
+
+def parse(url: str) -> ShardURL:
+    """Parse and validate a shard URL; raises ``ValueError`` naming the URL."""
+    parts = urlsplit(url)
+    if parts.scheme == "s3":
+        key = parts.path.lstrip("/")
+        if not parts.netloc or not key:
+            raise ValueError(f"bad shard URL {url!r}: expected s3://bucket/key")
+        return ShardURL("s3", parts.netloc, unquote(key))
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+            raise ValueError(f"bad shard URL {url!r}: expected file:///absolute/path")
+        return ShardURL("file", "", unquote(parts.path))
+    raise ValueError(f"bad shard URL {url!r}: the scheme must be one of {', '.join(SCHEMES)}")

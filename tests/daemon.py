@@ -1,0 +1,180 @@
+"""Real daemons for tests: in-process (own thread and event loop) or ``cached serve`` as a
+subprocess. Both listen on real ZeroMQ sockets in a temporary directory."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cached_client.errors import DaemonUnavailable
+from cached_client.transport import Connection
+
+from cached.config import Config, load
+from cached.daemon import Daemon
+
+
+def daemon_config(tmp: Path, endpoint_url: str | None, **values: Any) -> Config:
+    """A config for a test daemon in ``tmp``: ipc socket, free HTTP port, small retries."""
+    overrides: dict[str, Any] = {
+        "server.socket": f"ipc://{tmp}/cached.sock",
+        "server.http": "127.0.0.1:0",
+        "cache.dir": str(tmp / "hot"),
+        "cache.capacity": "1GiB",
+        "cache.min_free": "0",
+        "s3.endpoint_url": endpoint_url,
+        "s3.retry_base_delay_s": 0.01,
+        "s3.retry_max_delay_s": 0.05,
+        "s3.retry_attempts": 3,
+    }
+    overrides.update(values)
+    return load(None, env={}, overrides=overrides)
+
+
+@dataclass
+class ThreadDaemon:
+    """A daemon running in a background thread of this process."""
+
+    daemon: Daemon
+    loop: asyncio.AbstractEventLoop
+    socket: str
+
+    def call(self, fn: Any) -> Any:
+        """Run ``fn()`` on the daemon's loop and return its result (for inspection)."""
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+
+
+@contextmanager
+def thread_daemon(cfg: Config) -> Iterator[ThreadDaemon]:
+    """Start a daemon on its own loop in a thread; stop it (drain + close) afterwards."""
+    started = threading.Event()
+    holder: dict[str, Any] = {}
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        holder["stop"] = stop
+        holder["loop"] = asyncio.get_running_loop()
+        try:
+            async with Daemon(cfg) as daemon:
+                holder["daemon"] = daemon
+                started.set()
+                await daemon.serve_until(stop)
+        except BaseException as exc:
+            holder["error"] = exc
+            started.set()
+            raise
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    thread.start()
+    started.wait(30)
+    if "error" in holder:
+        raise holder["error"]
+    try:
+        yield ThreadDaemon(holder["daemon"], holder["loop"], holder["daemon"].server.bound_endpoint)
+    finally:
+        holder["loop"].call_soon_threadsafe(holder["stop"].set)
+        thread.join(30)
+
+
+class ProcessDaemon:
+    """``cached serve --config`` as a subprocess."""
+
+    def __init__(self, config: Path, socket: str, env: dict[str, str] | None = None) -> None:
+        self.config = config
+        self.socket = socket
+        self.log = config.parent / "daemon.log"
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 30) -> ProcessDaemon:
+        """Start and wait until it answers."""
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "cached", "serve", "--config", str(self.config)],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env,
+            )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                Connection(self.socket, connect_timeout_s=0.5).open()
+                return self
+            except DaemonUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Stop it; returns the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def status(self) -> dict[str, Any]:
+        """The daemon's status reply."""
+        header, _ = Connection(self.socket).request({"op": "status"})
+        status: dict[str, Any] = header["status"]
+        return status
+
+
+def write_config(path: Path, cfg: dict[str, dict[str, Any]]) -> Path:
+    """Write a TOML config from nested dicts (strings, numbers, booleans)."""
+    lines = []
+    for section, values in cfg.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                lines.append(f"{key} = {'true' if value else 'false'}")
+            elif isinstance(value, int | float):
+                lines.append(f"{key} = {value}")
+            else:
+                lines.append(f'{key} = "{value}"')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def make_tar(samples: list[tuple[str, dict[str, bytes]]]) -> bytes:
+    """A WebDataset tar: for each ``(key, {ext: bytes})`` the members ``key.ext``."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for key, members in samples:
+            for ext, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def dataset_shards(n_shards: int, per_shard: list[int] | int, payload: int = 100,
+                   prefix: str = "s") -> list[bytes]:
+    """Shards of samples ``{prefix}{shard}-{i}`` with a ``bin`` member of deterministic
+    bytes and a ``cls`` member; ``per_shard`` may differ per shard (uneven shards)."""
+    counts = per_shard if isinstance(per_shard, list) else [per_shard] * n_shards
+    shards = []
+    for s, n in enumerate(counts):
+        samples = []
+        for i in range(n):
+            key = f"{prefix}{s:04d}-{i:05d}"
+            body = (key.encode() * (payload // len(key) + 1))[:payload]
+            samples.append((key, {"bin": body, "cls": str(i % 10).encode()}))
+        shards.append(make_tar(samples))
+    return shards

@@ -1,0 +1,281 @@
+"""A fault-injecting HTTP reverse proxy for tests: real sockets, real failures.
+
+An aiohttp server on 127.0.0.1, port 0, in a background thread with its own event loop,
+forwards every request to an upstream S3 endpoint and passes the answer back, unless a
+fault is queued. Faults apply to the next matching requests, in the order queued:
+
+- ``slowdown``: answer 503 with S3's ``SlowDown`` XML error;
+- ``error``: answer ``status`` with an S3 error body (500 ``InternalError``, 403
+  ``AccessDenied``, ...);
+- ``cut``: send the headers (the full Content-Length) and ``after_bytes`` of the body,
+  wait ``linger_s`` so the client reads them, then close the connection (with
+  ``hard=True``: reset it);
+- ``stall``: like ``cut`` but hold the connection silent for ``delay_s`` (a read timeout
+  mid-body);
+- ``delay``: wait ``delay_s`` before the response headers (a read timeout up front);
+- ``corrupt``: flip the byte at ``offset`` of the body (same length);
+- ``truncate``: drop the last ``drop_bytes`` of the body, with an honest Content-Length.
+
+The Host header is forwarded unchanged, so SigV4 signatures made for the proxy's address
+stay valid at a real S3-compatible upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "date",
+        "server",
+    }
+)
+_KINDS = ("slowdown", "error", "cut", "stall", "delay", "corrupt", "truncate")
+_CODES = {500: "InternalError", 403: "AccessDenied", 404: "NoSuchKey", 412: "PreconditionFailed"}
+_S3_ERROR = (
+    '<?xml version="1.0" encoding="UTF-8"?>\n'
+    "<Error><Code>{code}</Code><Message>{message}</Message>"
+    "<RequestId>faultproxy</RequestId></Error>"
+)
+
+
+@dataclass
+class Fault:
+    """One queued fault; ``times`` counts down as matching requests take it."""
+
+    kind: str
+    times: int = 1
+    method: str | None = "GET"
+    status: int = 500
+    after_bytes: int = 0
+    linger_s: float = 0.05
+    delay_s: float = 1.0
+    offset: int = 0
+    drop_bytes: int = 1
+    hard: bool = False
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A request as the proxy saw it, and the fault (if any) it got."""
+
+    method: str
+    path: str
+    range: str | None
+    if_match: str | None
+    fault: str | None
+
+
+class FaultProxy:
+    """The running proxy: ``endpoint_url`` to point clients at, ``inject`` to break it."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.endpoint_url = ""
+        self.seen: list[Seen] = []
+        self._faults: list[Fault] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    @contextmanager
+    def start(cls, upstream: str) -> Iterator[FaultProxy]:
+        """Run a proxy in front of ``upstream`` for the duration of the block."""
+        proxy = cls(upstream)
+        proxy._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(proxy._serve(), proxy._loop).result(10)
+            yield proxy
+        finally:
+            with suppress(Exception):
+                asyncio.run_coroutine_threadsafe(proxy._shutdown(), proxy._loop).result(10)
+            proxy._loop.call_soon_threadsafe(proxy._loop.stop)
+            proxy._thread.join(10)
+            proxy._loop.close()
+
+    def inject(
+        self,
+        kind: str,
+        *,
+        times: int = 1,
+        method: str | None = "GET",
+        status: int = 500,
+        after_bytes: int = 0,
+        linger_s: float = 0.05,
+        delay_s: float = 1.0,
+        offset: int = 0,
+        drop_bytes: int = 1,
+        hard: bool = False,
+    ) -> None:
+        """Queue ``kind`` for the next ``times`` requests with ``method`` (None: any)."""
+        if kind not in _KINDS:
+            raise ValueError(f"unknown fault {kind!r}; known: {', '.join(_KINDS)}")
+        fault = Fault(
+            kind, times, method, status, after_bytes, linger_s, delay_s, offset, drop_bytes, hard
+        )
+        with self._lock:
+            self._faults.append(fault)
+
+    def clear(self) -> None:
+        """Drop every queued fault."""
+        with self._lock:
+            self._faults.clear()
+
+    @property
+    def faults_left(self) -> int:
+        """How many faulty answers are still queued."""
+        with self._lock:
+            return sum(f.times for f in self._faults)
+
+    def requests(self, method: str | None = None) -> list[Seen]:
+        """The requests seen so far (with ``method`` only, if given)."""
+        with self._lock:
+            return [s for s in self.seen if method is None or s.method == method]
+
+    def _take(self, method: str) -> Fault | None:
+        with self._lock:
+            for fault in self._faults:
+                if fault.method is None or fault.method == method:
+                    fault.times -= 1
+                    if fault.times <= 0:
+                        self._faults.remove(fault)
+                    return fault
+        return None
+
+    async def _serve(self) -> None:
+        self._session = aiohttp.ClientSession(auto_decompress=False)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        # Cancel a handler when its client hangs up (a client that timed out on `delay`).
+        self._runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
+        )
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(self._runner, sock).start()
+        self.endpoint_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    async def _shutdown(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self._answer(request)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        fault = self._take(request.method)
+        with self._lock:
+            self.seen.append(
+                Seen(
+                    request.method,
+                    request.path,
+                    request.headers.get("Range"),
+                    request.headers.get("If-Match"),
+                    fault.kind if fault else None,
+                )
+            )
+        if fault is not None and fault.kind == "slowdown":
+            return _s3_error(503, "SlowDown", "Please reduce your request rate.")
+        if fault is not None and fault.kind == "error":
+            code = _CODES.get(fault.status, f"Error{fault.status}")
+            return _s3_error(fault.status, code, "Injected by faultproxy.")
+        if fault is not None and fault.kind == "delay":
+            await asyncio.sleep(fault.delay_s)
+
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        async with self._session.request(
+            request.method,
+            self.upstream + request.raw_path,
+            headers=headers,
+            data=await request.read() if request.body_exists else None,
+            allow_redirects=False,
+        ) as upstream:
+            body = await upstream.read()
+            status, reason = upstream.status, upstream.reason
+            up_headers = [
+                (k, v) for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP
+            ]
+            length = upstream.headers.get("Content-Length")
+
+        if fault is not None and fault.kind == "corrupt" and body:
+            at = min(fault.offset, len(body) - 1)
+            body = body[:at] + bytes([body[at] ^ 0xFF]) + body[at + 1 :]
+        if fault is not None and fault.kind == "truncate":
+            body = body[: max(0, len(body) - fault.drop_bytes)]
+
+        response = web.StreamResponse(status=status, reason=reason)
+        for k, v in up_headers:
+            response.headers[k] = v
+        # HEAD has no body; its Content-Length must still say the object's size.
+        response.content_length = int(length) if request.method == "HEAD" and length else len(body)
+        await response.prepare(request)
+        if fault is not None and fault.kind in ("cut", "stall"):
+            await response.write(body[: fault.after_bytes])
+            if fault.kind == "stall":
+                await asyncio.sleep(fault.delay_s)
+            else:
+                await asyncio.sleep(fault.linger_s)  # let the client read what was sent
+            _drop(request, hard=fault.hard)
+            return response
+        if request.method != "HEAD":
+            await response.write(body)
+        await response.write_eof()
+        return response
+
+
+def _drop(request: web.Request, *, hard: bool) -> None:
+    """Close the client's connection: FIN (``hard=False``) or RST (``hard=True``)."""
+    transport = request.transport
+    if transport is None:
+        return
+    if hard:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            # SO_LINGER with a zero timeout turns close() into a reset.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()
+    else:
+        transport.close()
+
+
+def _s3_error(status: int, code: str, message: str) -> web.Response:
+    return web.Response(
+        status=status,
+        body=_S3_ERROR.format(code=code, message=message).encode(),
+        content_type="application/xml",
+    )

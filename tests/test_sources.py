@@ -1,0 +1,612 @@
+"""The remote tiers against real endpoints: moto's S3 server, a fault-injecting proxy in
+front of it, and real files. No mocks: every failure here crossed a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from botocore import exceptions as boto_exc
+
+from cached.config import S3Config
+from cached.errors import FetchError, FetchTimeout, ObjectNotFound, VerifyError
+from cached.sources import Sources
+from cached.sources.base import ObjectInfo
+from cached.sources.file import FileSource
+from cached.sources.retry import (
+    CONNECTION,
+    SERVER_ERROR,
+    THROTTLED,
+    TIMEOUT,
+    RetryPolicy,
+    transient_reason,
+)
+from cached.sources.s3 import S3Source
+from tests.faultproxy import FaultProxy
+from tests.s3server import S3Server
+
+PART = 64 * 1024
+BIG = (1 << 20) + 7  # 17 parts of 64 KiB, the last one 7 bytes
+SMALL = 50_000  # below one part: a single streamed GET
+
+
+def s3cfg(endpoint: str, **overrides: Any) -> S3Config:
+    """Small parts and quick retries, so that failure tests stay fast."""
+    values: dict[str, Any] = {
+        "endpoint_url": endpoint,
+        "part_size_bytes": PART,
+        "part_concurrency": 4,
+        "connect_timeout_s": 2.0,
+        "read_timeout_s": 2.0,
+        "retry_attempts": 4,
+        "retry_base_delay_s": 0.01,
+        "retry_max_delay_s": 0.05,
+    }
+    values.update(overrides)
+    return S3Config(**values)
+
+
+class Collect:
+    """A sink that keeps every chunk it is given, in order."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    async def __call__(self, data: bytes) -> None:
+        self.chunks.append(data)
+
+    @property
+    def data(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+def payload(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+@pytest.fixture
+def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
+    with FaultProxy.start(s3_server.endpoint_url) as p:
+        yield p
+
+
+@pytest.fixture
+def reasons() -> list[str]:
+    return []
+
+
+@pytest.fixture
+async def direct(s3_server: S3Server, reasons: list[str]) -> AsyncIterator[S3Source]:
+    async with S3Source(s3cfg(s3_server.endpoint_url), on_retry=reasons.append) as src:
+        yield src
+
+
+@pytest.fixture
+async def via_proxy(proxy: FaultProxy, reasons: list[str]) -> AsyncIterator[S3Source]:
+    async with S3Source(s3cfg(proxy.endpoint_url), on_retry=reasons.append) as src:
+        yield src
+
+
+async def fetch_bytes(src: S3Source, info: ObjectInfo) -> bytes:
+    sink = Collect()
+    await src.fetch(info, sink)
+    return sink.data
+
+
+# --- happy paths ---------------------------------------------------------------------
+
+
+async def test_small_object_is_one_get(
+    direct: S3Source, s3_server: S3Server, bucket: str
+) -> None:
+    body = payload(SMALL)
+    s3_server.put(bucket, "small.tar", body)
+    url = f"s3://{bucket}/small.tar"
+    info = await direct.head(url)
+    assert (info.url, info.size, info.endpoint) == (url, SMALL, s3_server.endpoint_url)
+    assert info.version == info.etag and info.etag is not None and '"' not in info.etag
+    s3_server.reset_counts()
+    assert await fetch_bytes(direct, info) == body
+    assert s3_server.count("GET", bucket) == 1
+
+
+async def test_large_object_is_ranged_gets_in_order(
+    direct: S3Source, s3_server: S3Server, bucket: str
+) -> None:
+    body = payload(BIG)
+    s3_server.put(bucket, "big.tar", body)
+    info = await direct.head(f"s3://{bucket}/big.tar")
+    s3_server.reset_counts()
+    sink = Collect()
+    await direct.fetch(info, sink)
+    assert sink.data == body
+    assert [len(c) for c in sink.chunks] == [PART] * 16 + [7]
+    assert s3_server.count("GET", bucket) == 17
+
+
+async def test_parts_in_flight_are_bounded_by_part_concurrency(
+    proxy: FaultProxy, s3_server: S3Server, bucket: str
+) -> None:
+    body = payload(BIG)
+    s3_server.put(bucket, "big.tar", body)
+    # Slow every GET a little, so that the window fills up if it can.
+    proxy.inject("delay", times=17, delay_s=0.05)
+    async with S3Source(s3cfg(proxy.endpoint_url, part_concurrency=3)) as src:
+        info = await src.head(f"s3://{bucket}/big.tar")
+        assert await fetch_bytes(src, info) == body
+    assert proxy.max_in_flight == 3
+    gets = proxy.requests("GET")
+    assert len(gets) == 17
+    assert all(g.if_match == f'"{info.etag}"' for g in gets)
+    assert sorted(g.range or "" for g in gets) == sorted(
+        f"bytes={a}-{min(a + PART, BIG) - 1}" for a in range(0, BIG, PART)
+    )
+
+
+async def test_multipart_etag_gets_the_size_check(
+    direct: S3Source, s3_server: S3Server, bucket: str
+) -> None:
+    # S3 requires 5 MiB for every part of a multipart upload but the last.
+    first, second = payload(5 << 20, 1), payload(1000, 2)
+    client = s3_server.client
+    upload = client.create_multipart_upload(Bucket=bucket, Key="mp.tar")["UploadId"]
+    parts = []
+    for number, data in enumerate((first, second), start=1):
+        etag = client.upload_part(
+            Bucket=bucket, Key="mp.tar", UploadId=upload, PartNumber=number, Body=data
+        )["ETag"]
+        parts.append({"ETag": etag, "PartNumber": number})
+    client.complete_multipart_upload(
+        Bucket=bucket, Key="mp.tar", UploadId=upload, MultipartUpload={"Parts": parts}
+    )
+    info = await direct.head(f"s3://{bucket}/mp.tar")
+    assert info.etag is not None and info.etag.endswith("-2")
+    assert await fetch_bytes(direct, info) == first + second
+
+
+async def test_empty_object(direct: S3Source, s3_server: S3Server, bucket: str) -> None:
+    s3_server.put(bucket, "empty.tar", b"")
+    info = await direct.head(f"s3://{bucket}/empty.tar")
+    assert info.size == 0
+    assert await fetch_bytes(direct, info) == b""
+
+
+# --- transient failures are retried --------------------------------------------------
+
+FAULTS = [
+    pytest.param({"kind": "slowdown"}, THROTTLED, id="503-slowdown"),
+    pytest.param({"kind": "error", "status": 500}, SERVER_ERROR, id="500"),
+    pytest.param({"kind": "error", "status": 429}, THROTTLED, id="429"),
+    pytest.param({"kind": "cut", "after_bytes": 20_000}, CONNECTION, id="cut-mid-body"),
+    pytest.param({"kind": "cut", "after_bytes": 100, "hard": True}, CONNECTION, id="reset"),
+    pytest.param({"kind": "delay", "delay_s": 2.0}, TIMEOUT, id="timeout-headers"),
+    pytest.param({"kind": "stall", "after_bytes": 1000, "delay_s": 2.0}, TIMEOUT, id="stall"),
+]
+
+
+@pytest.mark.parametrize("size", [SMALL, BIG], ids=["single-get", "ranged"])
+@pytest.mark.parametrize(("fault", "reason"), FAULTS)
+async def test_transient_failures_are_retried(
+    proxy: FaultProxy,
+    s3_server: S3Server,
+    bucket: str,
+    size: int,
+    fault: dict[str, Any],
+    reason: str,
+) -> None:
+    body = payload(size)
+    s3_server.put(bucket, "obj.tar", body)
+    seen: list[str] = []
+    cfg = s3cfg(proxy.endpoint_url, read_timeout_s=0.3)
+    async with S3Source(cfg, on_retry=seen.append) as src:
+        info = await src.head(f"s3://{bucket}/obj.tar")
+        proxy.inject(**fault)
+        assert await fetch_bytes(src, info) == body
+    assert seen == [reason]
+    assert proxy.faults_left == 0
+
+
+async def test_head_is_retried_too(
+    via_proxy: S3Source, proxy: FaultProxy, s3_server: S3Server, bucket: str, reasons: list[str]
+) -> None:
+    s3_server.put(bucket, "obj.tar", b"x" * 10)
+    proxy.inject("slowdown", method="HEAD")
+    proxy.inject("error", method="HEAD", status=502)
+    info = await via_proxy.head(f"s3://{bucket}/obj.tar")
+    assert info.size == 10
+    assert reasons == [THROTTLED, SERVER_ERROR]
+
+
+async def test_streamed_get_resumes_where_the_cut_was(
+    via_proxy: S3Source, proxy: FaultProxy, s3_server: S3Server, bucket: str
+) -> None:
+    body = payload(SMALL)
+    s3_server.put(bucket, "obj.tar", body)
+    info = await via_proxy.head(f"s3://{bucket}/obj.tar")
+    proxy.inject("cut", after_bytes=20_000, linger_s=0.1)
+    assert await fetch_bytes(via_proxy, info) == body
+    first, second = proxy.requests("GET")
+    assert first.range is None
+    # Only the bytes the sink has not seen are asked for, still pinned to the version.
+    assert second.range == f"bytes=20000-{SMALL - 1}"
+    assert second.if_match == f'"{info.etag}"'
+
+
+async def test_a_failed_part_is_retried_alone(
+    via_proxy: S3Source, proxy: FaultProxy, s3_server: S3Server, bucket: str
+) -> None:
+    body = payload(BIG)
+    s3_server.put(bucket, "big.tar", body)
+    info = await via_proxy.head(f"s3://{bucket}/big.tar")
+    proxy.inject("cut", after_bytes=1000)
+    assert await fetch_bytes(via_proxy, info) == body
+    gets = proxy.requests("GET")
+    assert len(gets) == 18  # 17 parts, one of them twice
+    cut = next(g for g in gets if g.fault == "cut")
+    assert [g.range for g in gets].count(cut.range) == 2
+
+
+# --- budgets run out ------------------------------------------------------------------
+
+
+async def test_budget_exhausted_on_throttling_is_a_fetch_error(
+    proxy: FaultProxy, s3_server: S3Server, bucket: str
+) -> None:
+    s3_server.put(bucket, "obj.tar", payload(SMALL))
+    seen: list[str] = []
+    async with S3Source(s3cfg(proxy.endpoint_url, retry_attempts=3), on_retry=seen.append) as src:
+        info = await src.head(f"s3://{bucket}/obj.tar")
+        proxy.inject("slowdown", times=100)
+        started = time.monotonic()
+        with pytest.raises(FetchError) as caught:
+            await src.fetch(info, Collect())
+    assert time.monotonic() - started < 2.0
+    assert not isinstance(caught.value, FetchTimeout)
+    message = str(caught.value)
+    assert f"s3://{bucket}/obj.tar" in message and "3 attempt" in message
+    assert "SlowDown" in message
+    assert seen == [THROTTLED, THROTTLED]
+    assert len(proxy.requests("GET")) == 3
+
+
+async def test_budget_exhausted_on_timeouts_is_a_fetch_timeout(
+    proxy: FaultProxy, s3_server: S3Server, bucket: str
+) -> None:
+    s3_server.put(bucket, "big.tar", payload(BIG))
+    cfg = s3cfg(proxy.endpoint_url, retry_attempts=3, read_timeout_s=0.2)
+    async with S3Source(cfg) as src:
+        info = await src.head(f"s3://{bucket}/big.tar")
+        proxy.inject("delay", times=1000, delay_s=5.0)
+        started = time.monotonic()
+        with pytest.raises(FetchTimeout) as caught:
+            await src.fetch(info, Collect())
+        # 3 attempts of 0.2 s each, plus short backoffs; never the 5 s the server takes.
+        assert time.monotonic() - started < 2.0
+        assert isinstance(caught.value, TimeoutError)
+        assert f"s3://{bucket}/big.tar" in str(caught.value)
+        proxy.clear()
+        # head, too, is bounded
+        proxy.inject("delay", times=1000, delay_s=5.0, method="HEAD")
+        with pytest.raises(FetchTimeout):
+            await src.head(f"s3://{bucket}/big.tar")
+
+
+async def test_unreachable_endpoint_is_a_fetch_error(reasons: list[str]) -> None:
+    # A port nobody listens on: connection refused, retried, then given up.
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = s3cfg(f"http://127.0.0.1:{port}", retry_attempts=2)
+    async with S3Source(cfg, on_retry=reasons.append) as src:
+        with pytest.raises(FetchError, match="2 attempt"):
+            await src.head("s3://nobucket/key.tar")
+    assert reasons == [CONNECTION]
+
+
+# --- permanent failures are not retried ----------------------------------------------
+
+
+async def test_missing_key_is_object_not_found_after_one_request(
+    direct: S3Source, s3_server: S3Server, bucket: str, reasons: list[str]
+) -> None:
+    url = f"s3://{bucket}/missing.tar"
+    s3_server.reset_counts()
+    with pytest.raises(ObjectNotFound) as caught:
+        await direct.head(url)
+    assert url in str(caught.value) and "check the URL" in str(caught.value)
+    assert s3_server.count("HEAD", bucket) == 1
+    info = ObjectInfo(url, s3_server.endpoint_url, 10, "v", None)
+    with pytest.raises(ObjectNotFound, match=url):
+        await direct.fetch(info, Collect())
+    assert s3_server.count("GET", bucket) == 1
+    assert reasons == []
+
+
+async def test_missing_bucket_is_object_not_found(direct: S3Source) -> None:
+    with pytest.raises(ObjectNotFound, match="bucket"):
+        await direct.head("s3://no-such-bucket-here/x.tar")
+
+
+async def test_access_denied_is_not_retried(
+    via_proxy: S3Source, proxy: FaultProxy, reasons: list[str]
+) -> None:
+    proxy.inject("error", status=403, method=None)
+    with pytest.raises(FetchError, match="access denied.*credentials"):
+        await via_proxy.head("s3://some-bucket/x.tar")
+    assert len(proxy.requests()) == 1
+    assert reasons == []
+
+
+async def test_sink_errors_propagate_unchanged(
+    direct: S3Source, s3_server: S3Server, bucket: str, reasons: list[str]
+) -> None:
+    for key, size in (("small.tar", SMALL), ("big.tar", BIG)):
+        s3_server.put(bucket, key, payload(size))
+        info = await direct.head(f"s3://{bucket}/{key}")
+
+        async def sink(data: bytes) -> None:
+            # A ConnectionError from the sink must not be taken for a network failure.
+            raise ConnectionResetError("the consumer hung up")
+
+        s3_server.reset_counts()
+        with pytest.raises(ConnectionResetError, match="consumer hung up"):
+            await direct.fetch(info, sink)
+        assert s3_server.count("GET", bucket) >= 1
+    assert reasons == []
+
+
+async def test_cancelling_a_fetch_stops_its_parts(
+    proxy: FaultProxy, s3_server: S3Server, bucket: str
+) -> None:
+    s3_server.put(bucket, "big.tar", payload(BIG))
+    async with S3Source(s3cfg(proxy.endpoint_url)) as src:
+        info = await src.head(f"s3://{bucket}/big.tar")
+        proxy.inject("delay", times=100, delay_s=5.0)
+        task = asyncio.create_task(src.fetch(info, Collect()))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+    assert len(proxy.requests("GET")) == 4  # the window, and nothing after the cancel
+
+
+# --- verification --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [SMALL, BIG], ids=["single-get", "ranged"])
+async def test_corrupted_bytes_fail_verification(
+    via_proxy: S3Source, proxy: FaultProxy, s3_server: S3Server, bucket: str, size: int
+) -> None:
+    s3_server.put(bucket, "obj.tar", payload(size))
+    url = f"s3://{bucket}/obj.tar"
+    info = await via_proxy.head(url)
+    proxy.inject("corrupt", offset=1234)
+    with pytest.raises(VerifyError, match=url) as caught:
+        await fetch_bytes(via_proxy, info)
+    if size == BIG:  # ranged GETs carry no checksum of their own: ours catches it
+        assert f"expected {info.etag}" in str(caught.value)
+
+
+async def test_verify_checksum_off_skips_the_md5(
+    proxy: FaultProxy, s3_server: S3Server, bucket: str
+) -> None:
+    body = payload(BIG)
+    s3_server.put(bucket, "big.tar", body)
+    async with S3Source(s3cfg(proxy.endpoint_url, verify_checksum=False)) as src:
+        info = await src.head(f"s3://{bucket}/big.tar")
+        proxy.inject("corrupt", offset=5)
+        got = await fetch_bytes(src, info)
+    assert len(got) == len(body) and got != body
+
+
+async def test_short_part_fails_verification(
+    via_proxy: S3Source, proxy: FaultProxy, s3_server: S3Server, bucket: str
+) -> None:
+    s3_server.put(bucket, "big.tar", payload(BIG))
+    info = await via_proxy.head(f"s3://{bucket}/big.tar")
+    proxy.inject("truncate", drop_bytes=10)
+    with pytest.raises(VerifyError, match=r"size mismatch.*expected 65536 bytes, got 65526"):
+        await fetch_bytes(via_proxy, info)
+
+
+@pytest.mark.parametrize("size", [SMALL, BIG], ids=["single-get", "ranged"])
+@pytest.mark.parametrize("delta", [10, -10])
+async def test_wrong_expected_size_fails_verification(
+    direct: S3Source, s3_server: S3Server, bucket: str, size: int, delta: int
+) -> None:
+    s3_server.put(bucket, "obj.tar", payload(size))
+    info = await direct.head(f"s3://{bucket}/obj.tar")
+    wrong = ObjectInfo(info.url, info.endpoint, info.size + delta, info.version, info.etag)
+    with pytest.raises(VerifyError, match=info.url):
+        await fetch_bytes(direct, wrong)
+
+
+@pytest.mark.parametrize("size", [SMALL, BIG], ids=["single-get", "ranged"])
+async def test_object_replaced_after_head_is_a_fetch_error(
+    direct: S3Source, s3_server: S3Server, bucket: str, size: int
+) -> None:
+    s3_server.put(bucket, "obj.tar", payload(size, 1))
+    info = await direct.head(f"s3://{bucket}/obj.tar")
+    s3_server.put(bucket, "obj.tar", payload(size, 2))
+    sink = Collect()
+    with pytest.raises(FetchError, match="changed") as caught:
+        await direct.fetch(info, sink)
+    assert not isinstance(caught.value, VerifyError)
+    assert sink.data == b""
+
+
+async def test_object_replaced_mid_fetch_never_mixes_versions(
+    s3_server: S3Server, bucket: str
+) -> None:
+    old, new = payload(BIG, 1), payload(BIG, 2)
+    s3_server.put(bucket, "big.tar", old)
+    sink = Collect()
+
+    async def replacing_sink(data: bytes) -> None:
+        if not sink.chunks:
+            await asyncio.to_thread(s3_server.put, bucket, "big.tar", new)
+        await sink(data)
+
+    async with S3Source(s3cfg(s3_server.endpoint_url, part_concurrency=2)) as src:
+        info = await src.head(f"s3://{bucket}/big.tar")
+        with pytest.raises(FetchError, match="changed"):
+            await src.fetch(info, replacing_sink)
+    assert sink.data and old.startswith(sink.data) and len(sink.data) < BIG
+
+
+# --- retry policy and classification -------------------------------------------------
+
+
+def test_backoff_is_full_jitter_capped() -> None:
+    policy = RetryPolicy(attempts=10, base_delay_s=0.1, max_delay_s=1.0)
+    rng = random.Random(0)
+    for retry, ceiling in ((1, 0.1), (2, 0.2), (3, 0.4), (5, 1.0), (60, 1.0), (10_000, 1.0)):
+        waits = [policy.backoff_s(retry, rng) for _ in range(200)]
+        assert all(0.0 <= w <= ceiling for w in waits)
+        assert max(waits) > ceiling * 0.8  # spread over the whole range, not a fixed step
+    with pytest.raises(ValueError):
+        RetryPolicy(attempts=0)
+
+
+def _client_error(status: int, code: str) -> boto_exc.ClientError:
+    return boto_exc.ClientError(
+        {"Error": {"Code": code, "Message": ""}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        "GetObject",
+    )
+
+
+@pytest.mark.parametrize(
+    ("exc", "reason"),
+    [
+        (_client_error(503, "SlowDown"), THROTTLED),
+        (_client_error(429, "TooManyRequests"), THROTTLED),
+        (_client_error(500, "InternalError"), SERVER_ERROR),
+        (_client_error(400, "RequestTimeout"), TIMEOUT),
+        (_client_error(404, "NoSuchKey"), None),
+        (_client_error(403, "AccessDenied"), None),
+        (_client_error(412, "PreconditionFailed"), None),
+        (TimeoutError(), TIMEOUT),
+        (aiohttp.ServerTimeoutError(), TIMEOUT),
+        (boto_exc.ReadTimeoutError(endpoint_url="u"), TIMEOUT),
+        (boto_exc.ConnectTimeoutError(endpoint_url="u"), TIMEOUT),
+        (boto_exc.EndpointConnectionError(endpoint_url="u"), CONNECTION),
+        (boto_exc.ResponseStreamingError(error="x"), CONNECTION),
+        (boto_exc.IncompleteReadError(actual_bytes=1, expected_bytes=2), CONNECTION),
+        (aiohttp.ClientPayloadError(), CONNECTION),
+        (ConnectionResetError(), CONNECTION),
+        (FetchTimeout("inner budget"), None),
+        (VerifyError("bad bytes"), None),
+        (ValueError("a bug"), None),
+    ],
+)
+def test_transient_reason(exc: BaseException, reason: str | None) -> None:
+    assert transient_reason(exc) == reason
+
+
+# --- file:// -------------------------------------------------------------------------
+
+
+async def test_file_round_trip(tmp_path: Path) -> None:
+    body = payload((3 << 20) + 5)
+    path = tmp_path / "shard.tar"
+    path.write_bytes(body)
+    url = path.as_uri()
+    async with FileSource(chunk_size_bytes=1 << 20) as src:
+        info = await src.head(url)
+        st = path.stat()
+        assert (info.size, info.version) == (len(body), f"{st.st_size}-{st.st_mtime_ns}")
+        sink = Collect()
+        await src.fetch(info, sink)
+    assert sink.data == body
+    assert [len(c) for c in sink.chunks] == [1 << 20] * 3 + [5]
+
+
+async def test_file_missing(tmp_path: Path) -> None:
+    url = (tmp_path / "nope.tar").as_uri()
+    src = FileSource()
+    with pytest.raises(ObjectNotFound, match=url):
+        await src.head(url)
+    with pytest.raises(ObjectNotFound, match=url):
+        await src.fetch(ObjectInfo(url, "file://", 3, "3-0"), Collect())
+    with pytest.raises(FetchError, match="not a regular file"):
+        await src.head(tmp_path.as_uri())
+
+
+async def test_file_changed_size_after_head(tmp_path: Path) -> None:
+    path = tmp_path / "shard.tar"
+    path.write_bytes(b"a" * 1000)
+    src = FileSource()
+    info = await src.head(path.as_uri())
+    path.write_bytes(b"a" * 1500)
+    sink = Collect()
+    with pytest.raises(VerifyError, match="size mismatch"):
+        await src.fetch(info, sink)
+    assert sink.data == b""
+
+
+async def test_file_rewritten_with_same_size(tmp_path: Path) -> None:
+    path = tmp_path / "shard.tar"
+    path.write_bytes(b"a" * 1000)
+    src = FileSource()
+    info = await src.head(path.as_uri())
+    path.write_bytes(b"b" * 1000)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    with pytest.raises(FetchError, match="changed"):
+        await src.fetch(info, Collect())
+
+
+async def test_file_growing_while_read(tmp_path: Path) -> None:
+    path = tmp_path / "shard.tar"
+    path.write_bytes(b"a" * (2 << 20))
+    src = FileSource(chunk_size_bytes=1 << 20)
+    info = await src.head(path.as_uri())
+    sink = Collect()
+
+    async def appending_sink(data: bytes) -> None:
+        if not sink.chunks:
+            with path.open("ab") as fh:
+                fh.write(b"more")
+        await sink(data)
+
+    with pytest.raises(VerifyError, match="grew"):
+        await src.fetch(info, appending_sink)
+    assert len(sink.data) == info.size  # never more than the expected size
+
+
+# --- the router ----------------------------------------------------------------------
+
+
+async def test_sources_route_by_scheme(
+    s3_server: S3Server, bucket: str, tmp_path: Path, reasons: list[str]
+) -> None:
+    path = tmp_path / "a.tar"
+    path.write_bytes(b"local bytes")
+    s3_server.put(bucket, "b.tar", b"remote bytes")
+    async with Sources(s3cfg(s3_server.endpoint_url), on_retry=reasons.append) as sources:
+        for url, want in ((path.as_uri(), b"local bytes"), (f"s3://{bucket}/b.tar", b"remote")):
+            info = await sources.head(url)
+            sink = Collect()
+            await sources.fetch(info, sink)
+            assert sink.data.startswith(want)
+        assert isinstance(await sources.source_for(f"s3://{bucket}/x"), S3Source)
+        with pytest.raises(FetchError, match="scheme"):
+            await sources.head("http://example.com/x.tar")
+
+
+async def test_sources_do_not_open_s3_for_files(tmp_path: Path) -> None:
+    path = tmp_path / "a.tar"
+    path.write_bytes(b"x")
+    async with Sources() as sources:
+        info = await sources.head(path.as_uri())
+        assert info.size == 1
+        assert isinstance(await sources.source_for(path.as_uri()), FileSource)
+        assert "s3" not in sources._by_scheme
