@@ -176,7 +176,7 @@ def _prefetch(cfg: Config, patterns: list[str]) -> int:
                 conn.wait(rid)
             except CachedClientError as exc:
                 failed += 1
-                tqdm.write(f"{url}: {exc}")
+                tqdm.write(f"{url}: {exc}", file=sys.stderr)
             bar.update(1)
     if failed:
         print(f"cached: {failed} of {len(urls)} shards failed", file=sys.stderr)

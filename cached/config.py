@@ -89,6 +89,8 @@ class CacheConfig:
     # Keep at least this much free on the file system, whatever the capacity says.
     min_free_bytes: int = _size("1GiB")
     policy: str = "lru"
+    # How long a fetch waits for readers to release pinned shards before CacheFull.
+    pin_wait_s: float = 30.0
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class Daemon:
             cfg.cache.capacity_bytes,
             cfg.cache.min_free_bytes,
             make_policy(cfg.cache.policy),
+            pin_wait_s=cfg.cache.pin_wait_s,
             on_evict=self._count_eviction,
         )
 

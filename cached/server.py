@@ -17,6 +17,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 from cached_client.protocol import PROTOCOL_VERSION, ErrorCode, Header, Op, decode, encode, error
+from cached_client.protocol import ProtocolError as WireProtocolError
+from cached_client.urls import parse
 
 from . import __version__
 from .errors import CachedError, ProtocolError
@@ -70,6 +72,12 @@ def _str(header: Header, name: str) -> str:
     if not isinstance(value, str) or not value:
         raise ProtocolError(f"request field {name!r} must be a non-empty string")
     return value
+
+
+def _url(header: Header) -> str:
+    url = _str(header, "url")
+    parse(url)  # ValueError naming the URL: a bad request, not a failed fetch
+    return url
 
 
 def _int(header: Header, name: str, low: int = 0) -> int:
@@ -177,7 +185,7 @@ class Server:
             result = "ok"
         except CachedError as exc:
             reply, result = error(request_id, exc.code, str(exc)), exc.code.value
-        except (ProtocolError, ValueError) as exc:
+        except (WireProtocolError, ValueError) as exc:
             reply, result = error(request_id, ErrorCode.BAD_REQUEST, str(exc)), "bad_request"
         except Exception as exc:
             log.exception("request %s failed", op)
@@ -209,7 +217,7 @@ class Server:
         if op == Op.READ:
             return await self._read(header)
         if op == Op.CLOSE:
-            url = _str(header, "url")
+            url = _url(header)
             info = await self.fetcher.info(url)
             self.leases.release(_str(header, "stream"), shard_id(info))
             return {}, []
@@ -220,7 +228,7 @@ class Server:
     async def _shard(self, header: Header, *, count: bool) -> tuple[Shard, str]:
         """The shard a request names, fetched on a miss, and the stream's lease on it.
         Opens count as hits or misses; reads (which follow an open) do not."""
-        url, stream = _str(header, "url"), _str(header, "stream")
+        url, stream = _url(header), _str(header, "stream")
         started = time.monotonic()
         shard, hit = await self.fetcher.ensure(url)
         if not count:

@@ -52,6 +52,7 @@ class ThreadDaemon:
 
     def call(self, fn: Any) -> Any:
         """Run ``fn()`` on the daemon's loop and return its result (for inspection)."""
+
         async def run() -> Any:
             return fn()
 
@@ -105,7 +106,9 @@ class ProcessDaemon:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "cached", "serve", "--config", str(self.config)],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
             )
         deadline = time.monotonic() + timeout_s
         while True:
@@ -164,8 +167,9 @@ def make_tar(samples: list[tuple[str, dict[str, bytes]]]) -> bytes:
     return buf.getvalue()
 
 
-def dataset_shards(n_shards: int, per_shard: list[int] | int, payload: int = 100,
-                   prefix: str = "s") -> list[bytes]:
+def dataset_shards(
+    n_shards: int, per_shard: list[int] | int, payload: int = 100, prefix: str = "s"
+) -> list[bytes]:
     """Shards of samples ``{prefix}{shard}-{i}`` with a ``bin`` member of deterministic
     bytes and a ``cls`` member; ``per_shard`` may differ per shard (uneven shards)."""
     counts = per_shard if isinstance(per_shard, list) else [per_shard] * n_shards

@@ -285,11 +285,11 @@ def test_bad_checksum(tmp_path: Path) -> None:
     data = bytearray(write_tarfile(path, tarfile.GNU_FORMAT))
     first = bytearray(data)
     first[10] ^= 0x01  # inside the first name
-    with pytest.raises(NotATarError, match="is not a tar archive.*checksum"):
+    with pytest.raises(NotATarError, match=r"is not a tar archive.*checksum"):
         index_bytes(bytes(first), 513)
     later_at = index_bytes(bytes(data), None).samples[2].members[0].offset - 512
     data[later_at + 3] ^= 0x01
-    with pytest.raises(NotATarError, match="corrupt tar archive.*checksum") as info:
+    with pytest.raises(NotATarError, match=r"corrupt tar archive.*checksum") as info:
         index_bytes(bytes(data), 7)
     assert URL in str(info.value)
     # the same change with a recomputed checksum is accepted (and renames the member)

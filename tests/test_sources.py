@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
+import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from aiobotocore.session import AioSession
 from botocore import exceptions as boto_exc
 
 from cached.config import S3Config
@@ -34,6 +37,7 @@ from tests.s3server import S3Server
 
 PART = 64 * 1024
 BIG = (1 << 20) + 7  # 17 parts of 64 KiB, the last one 7 bytes
+MID = 4 * PART + 7  # 5 parts: enough for a window of 4 and an odd tail, and quick
 SMALL = 50_000  # below one part: a single streamed GET
 
 
@@ -71,6 +75,12 @@ def payload(n: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
+@pytest.fixture(scope="module")
+def aio_session() -> Any:
+    """One botocore session for the module: its parsed service models are reused."""
+    return AioSession()
+
+
 @pytest.fixture
 def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
     with FaultProxy.start(s3_server.endpoint_url) as p:
@@ -82,15 +92,28 @@ def reasons() -> list[str]:
     return []
 
 
+SourceFactory = Callable[..., S3Source]
+
+
 @pytest.fixture
-async def direct(s3_server: S3Server, reasons: list[str]) -> AsyncIterator[S3Source]:
-    async with S3Source(s3cfg(s3_server.endpoint_url), on_retry=reasons.append) as src:
+def make_source(aio_session: Any, reasons: list[str]) -> SourceFactory:
+    """``make_source(endpoint, **s3_overrides)``: an S3Source reporting into ``reasons``."""
+
+    def make(endpoint: str, **overrides: Any) -> S3Source:
+        return S3Source(s3cfg(endpoint, **overrides), reasons.append, session=aio_session)
+
+    return make
+
+
+@pytest.fixture
+async def direct(s3_server: S3Server, make_source: SourceFactory) -> AsyncIterator[S3Source]:
+    async with make_source(s3_server.endpoint_url) as src:
         yield src
 
 
 @pytest.fixture
-async def via_proxy(proxy: FaultProxy, reasons: list[str]) -> AsyncIterator[S3Source]:
-    async with S3Source(s3cfg(proxy.endpoint_url), on_retry=reasons.append) as src:
+async def via_proxy(proxy: FaultProxy, make_source: SourceFactory) -> AsyncIterator[S3Source]:
+    async with make_source(proxy.endpoint_url) as src:
         yield src
 
 
@@ -103,9 +126,7 @@ async def fetch_bytes(src: S3Source, info: ObjectInfo) -> bytes:
 # --- happy paths ---------------------------------------------------------------------
 
 
-async def test_small_object_is_one_get(
-    direct: S3Source, s3_server: S3Server, bucket: str
-) -> None:
+async def test_small_object_is_one_get(direct: S3Source, s3_server: S3Server, bucket: str) -> None:
     body = payload(SMALL)
     s3_server.put(bucket, "small.tar", body)
     url = f"s3://{bucket}/small.tar"
@@ -132,26 +153,26 @@ async def test_large_object_is_ranged_gets_in_order(
 
 
 async def test_parts_in_flight_are_bounded_by_part_concurrency(
-    proxy: FaultProxy, s3_server: S3Server, bucket: str
+    proxy: FaultProxy, s3_server: S3Server, bucket: str, make_source: SourceFactory
 ) -> None:
-    body = payload(BIG)
+    body = payload(MID)
     s3_server.put(bucket, "big.tar", body)
     # Slow every GET a little, so that the window fills up if it can.
-    proxy.inject("delay", times=17, delay_s=0.05)
-    async with S3Source(s3cfg(proxy.endpoint_url, part_concurrency=3)) as src:
+    proxy.inject("delay", times=5, delay_s=0.2)
+    async with make_source(proxy.endpoint_url, part_concurrency=3) as src:
         info = await src.head(f"s3://{bucket}/big.tar")
         assert await fetch_bytes(src, info) == body
     assert proxy.max_in_flight == 3
     gets = proxy.requests("GET")
-    assert len(gets) == 17
+    assert len(gets) == 5
     assert all(g.if_match == f'"{info.etag}"' for g in gets)
     assert sorted(g.range or "" for g in gets) == sorted(
-        f"bytes={a}-{min(a + PART, BIG) - 1}" for a in range(0, BIG, PART)
+        f"bytes={a}-{min(a + PART, MID) - 1}" for a in range(0, MID, PART)
     )
 
 
 async def test_multipart_etag_gets_the_size_check(
-    direct: S3Source, s3_server: S3Server, bucket: str
+    s3_server: S3Server, bucket: str, make_source: SourceFactory
 ) -> None:
     # S3 requires 5 MiB for every part of a multipart upload but the last.
     first, second = payload(5 << 20, 1), payload(1000, 2)
@@ -166,9 +187,10 @@ async def test_multipart_etag_gets_the_size_check(
     client.complete_multipart_upload(
         Bucket=bucket, Key="mp.tar", UploadId=upload, MultipartUpload={"Parts": parts}
     )
-    info = await direct.head(f"s3://{bucket}/mp.tar")
-    assert info.etag is not None and info.etag.endswith("-2")
-    assert await fetch_bytes(direct, info) == first + second
+    async with make_source(s3_server.endpoint_url, part_size_bytes=1 << 20) as src:
+        info = await src.head(f"s3://{bucket}/mp.tar")
+        assert info.etag is not None and info.etag.endswith("-2")
+        assert await fetch_bytes(src, info) == first + second
 
 
 async def test_empty_object(direct: S3Source, s3_server: S3Server, bucket: str) -> None:
@@ -191,26 +213,32 @@ FAULTS = [
 ]
 
 
-@pytest.mark.parametrize("size", [SMALL, BIG], ids=["single-get", "ranged"])
 @pytest.mark.parametrize(("fault", "reason"), FAULTS)
 async def test_transient_failures_are_retried(
+    *,
     proxy: FaultProxy,
     s3_server: S3Server,
     bucket: str,
-    size: int,
+    make_source: SourceFactory,
+    reasons: list[str],
     fault: dict[str, Any],
     reason: str,
 ) -> None:
-    body = payload(size)
-    s3_server.put(bucket, "obj.tar", body)
-    seen: list[str] = []
-    cfg = s3cfg(proxy.endpoint_url, read_timeout_s=0.3)
-    async with S3Source(cfg, on_retry=seen.append) as src:
-        info = await src.head(f"s3://{bucket}/obj.tar")
-        proxy.inject(**fault)
-        assert await fetch_bytes(src, info) == body
-    assert seen == [reason]
-    assert proxy.faults_left == 0
+    # A short read timeout only where a timeout is the point: a busy test machine must
+    # not turn slow answers into extra retries.
+    read_timeout_s = 0.3 if reason == TIMEOUT else 5.0
+    async with make_source(proxy.endpoint_url, read_timeout_s=read_timeout_s) as src:
+        for size in (SMALL, MID):  # one streamed GET, then ranged GETs
+            body = payload(size)
+            s3_server.put(bucket, f"{size}.tar", body)
+            info = await src.head(f"s3://{bucket}/{size}.tar")
+            proxy.inject(**fault)
+            assert await fetch_bytes(src, info) == body
+            assert proxy.faults_left == 0
+    if reason == TIMEOUT:
+        assert len(reasons) >= 2 and set(reasons) == {TIMEOUT}
+    else:
+        assert reasons == [reason, reason]
 
 
 async def test_head_is_retried_too(
@@ -230,11 +258,12 @@ async def test_streamed_get_resumes_where_the_cut_was(
     body = payload(SMALL)
     s3_server.put(bucket, "obj.tar", body)
     info = await via_proxy.head(f"s3://{bucket}/obj.tar")
-    proxy.inject("cut", after_bytes=20_000, linger_s=0.1)
+    proxy.inject("cut", after_bytes=20_000, linger_s=0.2)
     assert await fetch_bytes(via_proxy, info) == body
     first, second = proxy.requests("GET")
     assert first.range is None
     # Only the bytes the sink has not seen are asked for, still pinned to the version.
+    # (All 20000 sent bytes arrive unless the test machine stalls the reader for 0.2 s.)
     assert second.range == f"bytes=20000-{SMALL - 1}"
     assert second.if_match == f'"{info.etag}"'
 
@@ -242,13 +271,13 @@ async def test_streamed_get_resumes_where_the_cut_was(
 async def test_a_failed_part_is_retried_alone(
     via_proxy: S3Source, proxy: FaultProxy, s3_server: S3Server, bucket: str
 ) -> None:
-    body = payload(BIG)
+    body = payload(MID)
     s3_server.put(bucket, "big.tar", body)
     info = await via_proxy.head(f"s3://{bucket}/big.tar")
     proxy.inject("cut", after_bytes=1000)
     assert await fetch_bytes(via_proxy, info) == body
     gets = proxy.requests("GET")
-    assert len(gets) == 18  # 17 parts, one of them twice
+    assert len(gets) == 6  # 5 parts, one of them twice
     cut = next(g for g in gets if g.fault == "cut")
     assert [g.range for g in gets].count(cut.range) == 2
 
@@ -257,11 +286,14 @@ async def test_a_failed_part_is_retried_alone(
 
 
 async def test_budget_exhausted_on_throttling_is_a_fetch_error(
-    proxy: FaultProxy, s3_server: S3Server, bucket: str
+    proxy: FaultProxy,
+    s3_server: S3Server,
+    bucket: str,
+    make_source: SourceFactory,
+    reasons: list[str],
 ) -> None:
     s3_server.put(bucket, "obj.tar", payload(SMALL))
-    seen: list[str] = []
-    async with S3Source(s3cfg(proxy.endpoint_url, retry_attempts=3), on_retry=seen.append) as src:
+    async with make_source(proxy.endpoint_url, retry_attempts=3) as src:
         info = await src.head(f"s3://{bucket}/obj.tar")
         proxy.inject("slowdown", times=100)
         started = time.monotonic()
@@ -272,17 +304,17 @@ async def test_budget_exhausted_on_throttling_is_a_fetch_error(
     message = str(caught.value)
     assert f"s3://{bucket}/obj.tar" in message and "3 attempt" in message
     assert "SlowDown" in message
-    assert seen == [THROTTLED, THROTTLED]
+    assert reasons == [THROTTLED, THROTTLED]
     assert len(proxy.requests("GET")) == 3
 
 
 async def test_budget_exhausted_on_timeouts_is_a_fetch_timeout(
-    proxy: FaultProxy, s3_server: S3Server, bucket: str
+    proxy: FaultProxy, s3_server: S3Server, bucket: str, make_source: SourceFactory
 ) -> None:
-    s3_server.put(bucket, "big.tar", payload(BIG))
-    cfg = s3cfg(proxy.endpoint_url, retry_attempts=3, read_timeout_s=0.2)
-    async with S3Source(cfg) as src:
+    s3_server.put(bucket, "big.tar", payload(MID))
+    async with make_source(proxy.endpoint_url) as src:
         info = await src.head(f"s3://{bucket}/big.tar")
+    async with make_source(proxy.endpoint_url, retry_attempts=3, read_timeout_s=0.2) as src:
         proxy.inject("delay", times=1000, delay_s=5.0)
         started = time.monotonic()
         with pytest.raises(FetchTimeout) as caught:
@@ -298,13 +330,14 @@ async def test_budget_exhausted_on_timeouts_is_a_fetch_timeout(
             await src.head(f"s3://{bucket}/big.tar")
 
 
-async def test_unreachable_endpoint_is_a_fetch_error(reasons: list[str]) -> None:
+async def test_unreachable_endpoint_is_a_fetch_error(
+    make_source: SourceFactory, reasons: list[str]
+) -> None:
     # A port nobody listens on: connection refused, retried, then given up.
-    with __import__("socket").socket() as s:
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = s3cfg(f"http://127.0.0.1:{port}", retry_attempts=2)
-    async with S3Source(cfg, on_retry=reasons.append) as src:
+    async with make_source(f"http://127.0.0.1:{port}", retry_attempts=2) as src:
         with pytest.raises(FetchError, match="2 attempt"):
             await src.head("s3://nobucket/key.tar")
     assert reasons == [CONNECTION]
@@ -323,7 +356,7 @@ async def test_missing_key_is_object_not_found_after_one_request(
     assert url in str(caught.value) and "check the URL" in str(caught.value)
     assert s3_server.count("HEAD", bucket) == 1
     info = ObjectInfo(url, s3_server.endpoint_url, 10, "v", None)
-    with pytest.raises(ObjectNotFound, match=url):
+    with pytest.raises(ObjectNotFound, match=re.escape(url)):
         await direct.fetch(info, Collect())
     assert s3_server.count("GET", bucket) == 1
     assert reasons == []
@@ -338,7 +371,7 @@ async def test_access_denied_is_not_retried(
     via_proxy: S3Source, proxy: FaultProxy, reasons: list[str]
 ) -> None:
     proxy.inject("error", status=403, method=None)
-    with pytest.raises(FetchError, match="access denied.*credentials"):
+    with pytest.raises(FetchError, match=r"access denied.*credentials"):
         await via_proxy.head("s3://some-bucket/x.tar")
     assert len(proxy.requests()) == 1
     assert reasons == []
@@ -347,7 +380,7 @@ async def test_access_denied_is_not_retried(
 async def test_sink_errors_propagate_unchanged(
     direct: S3Source, s3_server: S3Server, bucket: str, reasons: list[str]
 ) -> None:
-    for key, size in (("small.tar", SMALL), ("big.tar", BIG)):
+    for key, size in (("small.tar", SMALL), ("big.tar", MID)):
         s3_server.put(bucket, key, payload(size))
         info = await direct.head(f"s3://{bucket}/{key}")
 
@@ -363,25 +396,29 @@ async def test_sink_errors_propagate_unchanged(
 
 
 async def test_cancelling_a_fetch_stops_its_parts(
-    proxy: FaultProxy, s3_server: S3Server, bucket: str
+    proxy: FaultProxy, s3_server: S3Server, bucket: str, make_source: SourceFactory
 ) -> None:
-    s3_server.put(bucket, "big.tar", payload(BIG))
-    async with S3Source(s3cfg(proxy.endpoint_url)) as src:
+    s3_server.put(bucket, "big.tar", payload(MID))
+    async with make_source(proxy.endpoint_url) as src:
         info = await src.head(f"s3://{bucket}/big.tar")
         proxy.inject("delay", times=100, delay_s=5.0)
         task = asyncio.create_task(src.fetch(info, Collect()))
-        await asyncio.sleep(0.2)
+        for _ in range(500):  # until the whole window is waiting at the proxy
+            if len(proxy.requests("GET")) == 4:
+                break
+            await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert asyncio.all_tasks() == {asyncio.current_task()}
+        await asyncio.sleep(0.1)
     assert len(proxy.requests("GET")) == 4  # the window, and nothing after the cancel
 
 
 # --- verification --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("size", [SMALL, BIG], ids=["single-get", "ranged"])
+@pytest.mark.parametrize("size", [SMALL, MID], ids=["single-get", "ranged"])
 async def test_corrupted_bytes_fail_verification(
     via_proxy: S3Source, proxy: FaultProxy, s3_server: S3Server, bucket: str, size: int
 ) -> None:
@@ -389,18 +426,18 @@ async def test_corrupted_bytes_fail_verification(
     url = f"s3://{bucket}/obj.tar"
     info = await via_proxy.head(url)
     proxy.inject("corrupt", offset=1234)
-    with pytest.raises(VerifyError, match=url) as caught:
+    with pytest.raises(VerifyError, match=re.escape(url)) as caught:
         await fetch_bytes(via_proxy, info)
-    if size == BIG:  # ranged GETs carry no checksum of their own: ours catches it
+    if size == MID:  # ranged GETs carry no checksum of their own: ours catches it
         assert f"expected {info.etag}" in str(caught.value)
 
 
 async def test_verify_checksum_off_skips_the_md5(
-    proxy: FaultProxy, s3_server: S3Server, bucket: str
+    proxy: FaultProxy, s3_server: S3Server, bucket: str, make_source: SourceFactory
 ) -> None:
-    body = payload(BIG)
+    body = payload(MID)
     s3_server.put(bucket, "big.tar", body)
-    async with S3Source(s3cfg(proxy.endpoint_url, verify_checksum=False)) as src:
+    async with make_source(proxy.endpoint_url, verify_checksum=False) as src:
         info = await src.head(f"s3://{bucket}/big.tar")
         proxy.inject("corrupt", offset=5)
         got = await fetch_bytes(src, info)
@@ -410,14 +447,14 @@ async def test_verify_checksum_off_skips_the_md5(
 async def test_short_part_fails_verification(
     via_proxy: S3Source, proxy: FaultProxy, s3_server: S3Server, bucket: str
 ) -> None:
-    s3_server.put(bucket, "big.tar", payload(BIG))
+    s3_server.put(bucket, "big.tar", payload(MID))
     info = await via_proxy.head(f"s3://{bucket}/big.tar")
     proxy.inject("truncate", drop_bytes=10)
     with pytest.raises(VerifyError, match=r"size mismatch.*expected 65536 bytes, got 65526"):
         await fetch_bytes(via_proxy, info)
 
 
-@pytest.mark.parametrize("size", [SMALL, BIG], ids=["single-get", "ranged"])
+@pytest.mark.parametrize("size", [SMALL, MID], ids=["single-get", "ranged"])
 @pytest.mark.parametrize("delta", [10, -10])
 async def test_wrong_expected_size_fails_verification(
     direct: S3Source, s3_server: S3Server, bucket: str, size: int, delta: int
@@ -425,11 +462,11 @@ async def test_wrong_expected_size_fails_verification(
     s3_server.put(bucket, "obj.tar", payload(size))
     info = await direct.head(f"s3://{bucket}/obj.tar")
     wrong = ObjectInfo(info.url, info.endpoint, info.size + delta, info.version, info.etag)
-    with pytest.raises(VerifyError, match=info.url):
+    with pytest.raises(VerifyError, match=re.escape(info.url)):
         await fetch_bytes(direct, wrong)
 
 
-@pytest.mark.parametrize("size", [SMALL, BIG], ids=["single-get", "ranged"])
+@pytest.mark.parametrize("size", [SMALL, MID], ids=["single-get", "ranged"])
 async def test_object_replaced_after_head_is_a_fetch_error(
     direct: S3Source, s3_server: S3Server, bucket: str, size: int
 ) -> None:
@@ -444,9 +481,9 @@ async def test_object_replaced_after_head_is_a_fetch_error(
 
 
 async def test_object_replaced_mid_fetch_never_mixes_versions(
-    s3_server: S3Server, bucket: str
+    s3_server: S3Server, bucket: str, make_source: SourceFactory
 ) -> None:
-    old, new = payload(BIG, 1), payload(BIG, 2)
+    old, new = payload(MID, 1), payload(MID, 2)
     s3_server.put(bucket, "big.tar", old)
     sink = Collect()
 
@@ -455,11 +492,11 @@ async def test_object_replaced_mid_fetch_never_mixes_versions(
             await asyncio.to_thread(s3_server.put, bucket, "big.tar", new)
         await sink(data)
 
-    async with S3Source(s3cfg(s3_server.endpoint_url, part_concurrency=2)) as src:
+    async with make_source(s3_server.endpoint_url, part_concurrency=2) as src:
         info = await src.head(f"s3://{bucket}/big.tar")
         with pytest.raises(FetchError, match="changed"):
             await src.fetch(info, replacing_sink)
-    assert sink.data and old.startswith(sink.data) and len(sink.data) < BIG
+    assert sink.data and old.startswith(sink.data) and len(sink.data) < MID
 
 
 # --- retry policy and classification -------------------------------------------------
@@ -532,9 +569,9 @@ async def test_file_round_trip(tmp_path: Path) -> None:
 async def test_file_missing(tmp_path: Path) -> None:
     url = (tmp_path / "nope.tar").as_uri()
     src = FileSource()
-    with pytest.raises(ObjectNotFound, match=url):
+    with pytest.raises(ObjectNotFound, match=re.escape(url)):
         await src.head(url)
-    with pytest.raises(ObjectNotFound, match=url):
+    with pytest.raises(ObjectNotFound, match=re.escape(url)):
         await src.fetch(ObjectInfo(url, "file://", 3, "3-0"), Collect())
     with pytest.raises(FetchError, match="not a regular file"):
         await src.head(tmp_path.as_uri())
@@ -586,12 +623,14 @@ async def test_file_growing_while_read(tmp_path: Path) -> None:
 
 
 async def test_sources_route_by_scheme(
-    s3_server: S3Server, bucket: str, tmp_path: Path, reasons: list[str]
+    s3_server: S3Server, bucket: str, tmp_path: Path, reasons: list[str], aio_session: Any
 ) -> None:
     path = tmp_path / "a.tar"
     path.write_bytes(b"local bytes")
     s3_server.put(bucket, "b.tar", b"remote bytes")
-    async with Sources(s3cfg(s3_server.endpoint_url), on_retry=reasons.append) as sources:
+    async with Sources(
+        s3cfg(s3_server.endpoint_url), reasons.append, session=aio_session
+    ) as sources:
         for url, want in ((path.as_uri(), b"local bytes"), (f"s3://{bucket}/b.tar", b"remote")):
             info = await sources.head(url)
             sink = Collect()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import AsyncExitStack
 from types import TracebackType
+from typing import Any
 
 from cached_client.urls import parse
 
@@ -27,12 +28,16 @@ class Sources:
     ``async with Sources(cfg.s3, on_retry=...) as sources:``. The S3 client is created
     on the first ``s3://`` URL, so a daemon that only reads ``file://`` shards never
     walks the AWS credential chain (whose instance-metadata probe can take seconds off
-    EC2). All S3 URLs share that one client and its connection pool.
+    EC2). All S3 URLs share that one client and its connection pool. ``session`` is
+    passed to :class:`S3Source`.
     """
 
-    def __init__(self, s3: S3Config | None = None, on_retry: OnRetry | None = None) -> None:
+    def __init__(
+        self, s3: S3Config | None = None, on_retry: OnRetry | None = None, *, session: Any = None
+    ) -> None:
         self._s3_cfg = s3 if s3 is not None else S3Config()
         self._on_retry = on_retry
+        self._session = session
         self._stack: AsyncExitStack | None = None
         self._by_scheme: dict[str, Source] = {}
         self._lock = asyncio.Lock()
@@ -66,7 +71,7 @@ class Sources:
             if self._stack is None:
                 raise RuntimeError("Sources is not open: use `async with Sources(cfg)`")
             if scheme not in self._by_scheme and scheme == "s3":
-                s3 = S3Source(self._s3_cfg, on_retry=self._on_retry)
+                s3 = S3Source(self._s3_cfg, self._on_retry, session=self._session)
                 self._by_scheme["s3"] = await self._stack.enter_async_context(s3)
             return self._by_scheme[scheme]
 

@@ -159,14 +159,20 @@ class S3Source:
     one connection pool (``max_pool_connections``) for the whole daemon. Credentials come
     from the standard AWS chain. ``on_retry(reason)`` is called for every retry with one
     of :data:`~cached.sources.retry.RETRY_REASONS`, for the daemon's metrics.
+    ``session`` is the ``AioSession`` to create the client from; None makes a fresh one.
+    Passing one in lets many short-lived sources (tests) share botocore's parsed service
+    models, which otherwise cost about 0.1 s per client.
     """
 
-    def __init__(self, cfg: S3Config, on_retry: OnRetry | None = None) -> None:
+    def __init__(
+        self, cfg: S3Config, on_retry: OnRetry | None = None, *, session: Any = None
+    ) -> None:
         if cfg.part_size_bytes <= 0 or cfg.part_concurrency <= 0:
             raise ValueError("part_size_bytes and part_concurrency must be positive")
         self._cfg = cfg
         self._policy = RetryPolicy.from_s3_config(cfg)
         self._on_retry = on_retry
+        self._session = session
         self._stack: AsyncExitStack | None = None
         self._client: Any = None
         self._endpoint = ""
@@ -185,7 +191,7 @@ class S3Source:
         )
         async with AsyncExitStack() as stack:
             self._client = await stack.enter_async_context(
-                AioSession().create_client(
+                (self._session or AioSession()).create_client(
                     "s3",
                     endpoint_url=self._cfg.endpoint_url,
                     region_name=self._cfg.region,

@@ -42,7 +42,8 @@ _REGULAR = frozenset((b"0", b"\0", b"7"))  # tarfile.REGULAR_TYPES minus sparse 
 # tarfile skips data only for regular files and types it does not know; dirs, links
 # and devices are assumed to have none, whatever their size field says.
 _SUPPORTED = frozenset((b"0", b"\0", b"1", b"2", b"3", b"4", b"5", b"6", b"7", b"L", b"K", b"S"))
-_PAX_TYPES = frozenset((b"x", b"X"))  # "X" is Solaris' name for "x"
+# GNU long name/link, pax per-file ("X": Solaris' "x") and global headers
+_EXTENDED = frozenset((b"L", b"K", b"x", b"X", b"g"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +127,10 @@ def _nts(field: bytes) -> str:
 
 def _num(field: bytes) -> int:
     """tarfile.nti: octal text, or GNU base-256 when the first byte is 0x80/0xff."""
+    try:  # fast path; where it fails, the exact rules below decide
+        return int(field.rstrip(b"\0 "), 8)
+    except ValueError:
+        pass
     if field[0] in (0o200, 0o377):
         n = int.from_bytes(field[1:], "big")
         return n - 256 ** (len(field) - 1) if field[0] == 0o377 else n
@@ -142,8 +147,12 @@ def _checksum_ok(block: bytes) -> bool:
     # <= 256 bytes cannot reach the modulus, so three calls give the exact sum in C.
     # (sum(block) costs microseconds per header, which dominates on small members.)
     a = zlib.adler32
-    total = 256 + (a(block[:148], 0) & 0xFFFF) + (a(block[156:412], 0) & 0xFFFF)
-    if stored == total + (a(block[412:], 0) & 0xFFFF):
+    if stored == (
+        256
+        + (a(block[:148], 0) & 0xFFFF)
+        + (a(block[156:412], 0) & 0xFFFF)
+        + (a(block[412:], 0) & 0xFFFF)
+    ):
         return True
     signed: int = sum(_SIGNED.unpack(block))  # old Sun/NeXT tars sum signed chars
     return stored == 256 + signed
@@ -161,6 +170,7 @@ class TarIndexer:
         self._meta_left = 0  # bytes of that payload (padded) still to come
         self._meta_type = b""
         self._headers = 0  # headers parsed so far; the first one decides "is it a tar"
+        self._at = 0  # offset of the header being parsed, for error messages
         self._ended = False  # saw the end-of-archive zero block
         self._error: NotATarError | None = None
         self._name: str | None = None  # pending long name (GNU "L" or pax path)
@@ -181,14 +191,16 @@ class TarIndexer:
         if self._ended:  # trailing zero blocks (or anything) after the end marker
             self._pos += n
             return
-        base, i = self._pos, 0
+        base, i, skip = self._pos, 0, self._skip
         try:
             while i < n:
-                if self._skip:  # the hot path for big members: pure arithmetic
-                    step = min(self._skip, n - i)
-                    self._skip -= step
-                    i += step
-                elif self._meta_left:
+                if skip:  # member data and padding: pure arithmetic, never copied
+                    if skip >= n - i:
+                        skip -= n - i
+                        break
+                    i += skip
+                    skip = 0
+                if self._meta_left:
                     step = min(self._meta_left, n - i)
                     self._meta += data[i : i + step]
                     self._meta_left -= step
@@ -202,15 +214,16 @@ class TarIndexer:
                     if len(self._hdr) == _BLOCK:
                         block = bytes(self._hdr)
                         self._hdr.clear()
-                        self._header(block, base + i)
+                        skip = self._header(block, base + i)
                 else:
                     i += _BLOCK
-                    self._header(bytes(data[i - _BLOCK : i]), base + i)
+                    skip = self._header(bytes(data[i - _BLOCK : i]), base + i)
                 if self._ended:
                     break
         except _Corrupt as exc:
-            self._error = self._fail(exc, base + i)
+            self._error = self._fail(exc)
             raise self._error from None
+        self._skip = skip
         self._pos = base + n
 
     def finish(self) -> ShardIndex:
@@ -236,19 +249,20 @@ class TarIndexer:
         self._flush()
         return ShardIndex(tuple(self._samples), self._pos)
 
-    def _fail(self, exc: _Corrupt, pos: int) -> NotATarError:
+    def _fail(self, exc: _Corrupt) -> NotATarError:
         what = "is not a tar archive" if self._headers == 0 else "is a corrupt tar archive"
-        return NotATarError(f"{self._url} {what}: {exc} near byte {pos}; fetch it again")
+        return NotATarError(f"{self._url} {what}: {exc} (header at byte {self._at})")
 
-    def _header(self, block: bytes, data_off: int) -> None:
-        """Handle one 512-byte header block; `data_off` is where its data starts."""
+    def _header(self, block: bytes, data_off: int) -> int:
+        """Handle one header block (its data starts at `data_off`); return bytes to skip."""
+        self._at = data_off - _BLOCK
         if block == _ZERO_BLOCK:
             if self._pending:  # tarfile: SubsequentHeaderError
                 raise _Corrupt("end-of-archive marker after an extended header")
             # tarfile stops at the first zero block (the second is not checked), and an
             # archive that starts with one is a valid, empty archive.
             self._ended = True
-            return
+            return 0
         if not _checksum_ok(block):
             raise _Corrupt("bad header checksum")
         self._headers += 1
@@ -256,37 +270,37 @@ class TarIndexer:
         if size < 0:
             raise _Corrupt("negative member size")
         kind = block[156:157]
-        if kind == b"L" or kind in _PAX_TYPES:
+        if kind in _EXTENDED:
+            self._pending = True
+            if kind in (b"K", b"g"):  # link targets and global pax headers: not needed
+                return -(-size // _BLOCK) * _BLOCK
             if size > _MAX_META:
                 raise _Corrupt(f"extended header of {size} bytes")
-            self._pending = True
             self._meta_type = kind
             self._meta.clear()
             self._meta_left = -(-size // _BLOCK) * _BLOCK
             if not size:
                 self._extension(b"")
-            return
-        if kind in (b"K", b"g"):  # link targets and global pax headers: not needed
-            self._pending = True
-            self._skip = -(-size // _BLOCK) * _BLOCK
-            return
+            return 0
         if kind == b"S":
             raise _Corrupt("GNU sparse members are not supported")
-        # The first of several chained overrides wins, as in tarfile's recursion.
-        if self._size is not None:
-            size = self._size
-        name = self._name
-        self._name = self._size = None
-        self._pending = False
-        short = _nts(block[:100])
+        name = None
+        if self._pending:  # of chained overrides the first wins, as in tarfile's recursion
+            name, size = self._name, size if self._size is None else self._size
+            self._name = self._size = None
+            self._pending = False
+        end = block.find(b"\0", 0, 100)
+        short = block[: end if end >= 0 else 100].decode("utf-8", "surrogateescape")
         regular = kind in _REGULAR and not (kind == b"\0" and short.endswith("/"))
-        if regular or kind not in _SUPPORTED:
-            self._skip = -(-size // _BLOCK) * _BLOCK
         if regular:
             if name is None:
-                prefix = _nts(block[345:500])  # ustar: applied whatever the magic says
-                name = f"{prefix}/{short}" if prefix else short
+                name = short
+                if block[345]:  # ustar prefix, applied whatever the magic says (tarfile)
+                    name = f"{_nts(block[345:500])}/{short}"
             self._member(name, data_off, size)
+        elif kind in _SUPPORTED:
+            return 0
+        return -(-size // _BLOCK) * _BLOCK
 
     def _extension(self, payload: bytes) -> None:
         """A GNU long name or pax extended header is complete: remember its overrides."""
@@ -320,10 +334,11 @@ class TarIndexer:
             self._size = size
 
     def _member(self, name: str, offset: int, size: int) -> None:
-        # tar_file_iterator's two meta-file rules, then group_by_keys.
-        if "/" not in name and name.startswith("__") and name.endswith("__"):
-            return
-        if _SKIP_META.match(name):
+        # tar_file_iterator's two meta-file rules (both need a leading "__"), then
+        # base_plus_ext and group_by_keys.
+        if name.startswith("__") and (
+            ("/" not in name and name.endswith("__")) or _SKIP_META.match(name)
+        ):
             return
         m = _BASE_EXT.match(name)
         if m is None:

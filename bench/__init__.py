@@ -1,0 +1,1 @@
+"""Benchmarks of cached: they print figures and ratios, never pass/fail."""

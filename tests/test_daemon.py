@@ -1,0 +1,287 @@
+"""The daemon end to end over real sockets: hot tier bound, pins, restart, protocol errors."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from cached_client import CachedDataset
+from cached_client.errors import RemoteError, VersionMismatch
+from cached_client.protocol import ErrorCode, decode, encode
+from cached_client.reader import read_shard
+from cached_client.transport import Connection
+
+from tests.daemon import (
+    ProcessDaemon,
+    daemon_config,
+    dataset_shards,
+    make_tar,
+    thread_daemon,
+    write_config,
+)
+from tests.s3server import S3Server
+
+
+def upload(s3: S3Server, bucket: str, shards: list[bytes]) -> list[str]:
+    for i, body in enumerate(shards):
+        s3.put(bucket, f"shard-{i:04d}.tar", body)
+    return [f"s3://{bucket}/shard-{i:04d}.tar" for i in range(len(shards))]
+
+
+def dir_bytes(path: Path) -> int:
+    total = 0
+    for p in path.iterdir():
+        with contextlib.suppress(FileNotFoundError):  # removed between listing and stat
+            total += p.stat().st_size
+    return total
+
+
+class DirWatcher:
+    """Samples the hot tier's bytes on disk while a test runs; keeps the maximum."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.max_bytes, self.samples = path, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.path.exists():
+                self.max_bytes = max(self.max_bytes, dir_bytes(self.path))
+                self.samples += 1
+            time.sleep(0.005)
+
+    def __enter__(self) -> DirWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_open_and_read_round_trip(s3_server: S3Server, bucket: str, tmp_path: Path) -> None:
+    samples = [
+        (f"k{i}", {"txt": f"hello {i}".encode(), "bin": bytes([i]) * (i * 37)}) for i in range(50)
+    ]
+    s3_server.put(bucket, "a.tar", make_tar(samples))
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        conn = Connection(d.socket)
+        got = [
+            (key, {ext: f.bytes for ext, f in members})
+            for key, members in read_shard(conn, f"s3://{bucket}/a.tar", "t", inflight=3)
+        ]
+    assert got == samples
+
+
+def test_two_clients_share_one_download(s3_server: S3Server, bucket: str, tmp_path: Path) -> None:
+    s3_server.put(bucket, "a.tar", make_tar([("k", {"bin": b"x" * 300_000})]))
+    url = f"s3://{bucket}/a.tar"
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        conns = [Connection(d.socket) for _ in range(4)]
+        ids = [c.send({"op": "open", "url": url, "stream": f"s{i}"}) for i, c in enumerate(conns)]
+        for c, rid in zip(conns, ids, strict=True):
+            assert c.wait(rid)[0]["samples"] == 1
+    assert s3_server.count("GET", f"/{bucket}/a.tar") == 1
+
+
+def test_capacity_is_never_exceeded_over_two_epochs(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    shards = dataset_shards(20, 30, payload=2000)
+    urls = upload(s3_server, bucket, shards)
+    total = sum(len(s) for s in shards)
+    capacity = int(total * 0.4)
+    cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"cache.capacity": str(capacity)})
+    expected = sorted(f"s{s:04d}-{i:05d}" for s in range(20) for i in range(30))
+    with thread_daemon(cfg) as d, DirWatcher(cfg.cache.dir) as watch:
+        for epoch in range(2):
+            ds = CachedDataset(urls, socket=d.socket, shuffle=True, seed=1)
+            ds.set_epoch(epoch)
+            assert sorted(s["__key__"] for s in ds) == expected
+            stats = d.call(d.daemon.hot.stats)
+            assert stats.used_bytes <= capacity
+    assert watch.samples > 10
+    assert 0 < watch.max_bytes <= capacity
+    # Fits 40%: the second epoch had to fetch again, so eviction really ran.
+    assert s3_server.count("GET", bucket) > 20
+
+
+def test_a_pinned_shard_is_not_evicted(s3_server: S3Server, bucket: str, tmp_path: Path) -> None:
+    shards = dataset_shards(4, 10, payload=20_000)
+    urls = upload(s3_server, bucket, shards)
+    capacity = int(max(len(s) for s in shards) * 2.5)
+    cfg = daemon_config(
+        tmp_path,
+        s3_server.endpoint_url,
+        **{"cache.capacity": str(capacity), "cache.pin_wait_s": 0.5},
+    )
+    with thread_daemon(cfg) as d:
+        holder = Connection(d.socket)
+        holder.request({"op": "open", "url": urls[0], "stream": "holder"})  # pins shard 0
+        other = Connection(d.socket)
+        for url in urls[1:]:
+            other.request({"op": "open", "url": url, "stream": "other", "pin": False})
+        # Shard 0 survived every eviction: reading it makes no new GET.
+        gets = s3_server.count("GET", f"{bucket}/shard-0000")
+        keys = [k for k, _ in read_shard(holder, urls[0], "holder")]
+        assert len(keys) == 10
+        assert s3_server.count("GET", f"{bucket}/shard-0000") == gets == 1
+
+
+def test_cache_full_when_every_shard_is_pinned(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    shards = dataset_shards(3, 10, payload=20_000)
+    urls = upload(s3_server, bucket, shards)
+    capacity = int(max(len(s) for s in shards) * 2.5)
+    cfg = daemon_config(
+        tmp_path,
+        s3_server.endpoint_url,
+        **{"cache.capacity": str(capacity), "cache.pin_wait_s": 0.3},
+    )
+    with thread_daemon(cfg) as d:
+        conn = Connection(d.socket)
+        conn.request({"op": "open", "url": urls[0], "stream": "a"})
+        conn.request({"op": "open", "url": urls[1], "stream": "b"})
+        with pytest.raises(RemoteError, match="no room for") as info:
+            conn.request({"op": "open", "url": urls[2], "stream": "c"})
+        assert info.value.code == ErrorCode.CACHE_FULL
+        # Released pins make room again: the daemon recovers without a restart.
+        conn.request({"op": "close", "url": urls[0], "stream": "a"})
+        assert conn.request({"op": "open", "url": urls[2], "stream": "c"})[0]["samples"] == 10
+
+
+def test_leases_of_silent_streams_lapse(s3_server: S3Server, bucket: str, tmp_path: Path) -> None:
+    urls = upload(s3_server, bucket, dataset_shards(2, 5, payload=20_000))
+    cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"server.lease_timeout_s": 0.2})
+    with thread_daemon(cfg) as d:
+        Connection(d.socket).request({"op": "open", "url": urls[0], "stream": "killed"})
+        assert d.call(lambda: d.daemon.hot.stats().pinned) == 1
+        deadline = time.monotonic() + 5
+        while d.call(lambda: d.daemon.hot.stats().pinned) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert d.call(lambda: d.daemon.hot.stats().pinned) == 0
+
+
+@pytest.fixture
+def raw_dealer() -> Iterator[tuple[zmq.Context[zmq.Socket[bytes]], list[zmq.Socket[bytes]]]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    socks: list[zmq.Socket[bytes]] = []
+    yield ctx, socks
+    for s in socks:
+        s.close(linger=0)
+    ctx.term()
+
+
+def test_protocol_errors_are_structured_and_the_daemon_keeps_serving(
+    s3_server: S3Server,
+    bucket: str,
+    tmp_path: Path,
+    raw_dealer: tuple[zmq.Context[zmq.Socket[bytes]], list[zmq.Socket[bytes]]],
+) -> None:
+    s3_server.put(bucket, "a.tar", make_tar([("k", {"txt": b"ok"})]))
+    ctx, socks = raw_dealer
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        sock = ctx.socket(zmq.DEALER)
+        socks.append(sock)
+        sock.connect(d.socket)
+
+        def ask(*frames: bytes) -> dict[str, object]:
+            sock.send_multipart(list(frames))
+            assert sock.poll(5000), "the daemon did not answer"
+            return decode(sock.recv_multipart()[0])
+
+        assert ask(b"not json")["code"] == ErrorCode.BAD_REQUEST
+        assert ask(encode({"op": "dance", "id": 1}))["code"] == ErrorCode.BAD_REQUEST
+        reply = ask(
+            encode(
+                {
+                    "op": "read",
+                    "id": 2,
+                    "url": f"s3://{bucket}/a.tar",
+                    "stream": "s",
+                    "start": -1,
+                    "count": 1,
+                }
+            )
+        )
+        assert reply["code"] == ErrorCode.BAD_REQUEST and reply["id"] == 2
+        reply = ask(
+            encode(
+                {
+                    "op": "read",
+                    "id": 3,
+                    "url": f"s3://{bucket}/a.tar",
+                    "stream": "s",
+                    "start": 5,
+                    "count": 1,
+                }
+            )
+        )
+        assert reply["code"] == ErrorCode.OUT_OF_RANGE
+        reply = ask(encode({"op": "open", "id": 4, "url": "http://x/y.tar", "stream": "s"}))
+        assert reply["code"] == ErrorCode.BAD_REQUEST
+        assert "scheme" in str(reply["message"])
+        with pytest.raises(VersionMismatch, match="protocol v99"):
+            conn = Connection(d.socket)
+            conn.open()
+            conn.request({"op": "hello", "v": 99})
+        keys = [k for k, _ in read_shard(Connection(d.socket), f"s3://{bucket}/a.tar", "s")]
+        assert keys == ["k"]
+
+
+def test_restart_serves_warm_cache_without_fetching(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    urls = upload(s3_server, bucket, dataset_shards(4, 20, payload=5000))
+    hot = tmp_path / "hot"
+    socket = f"ipc://{tmp_path}/cached.sock"
+    config = write_config(
+        tmp_path / "config.toml",
+        {
+            "server": {"socket": socket, "http": "127.0.0.1:0"},
+            "cache": {"dir": str(hot), "capacity": "1GiB", "min_free": "0"},
+            "s3": {"endpoint_url": s3_server.endpoint_url},
+        },
+    )
+    daemon = ProcessDaemon(config, socket).start()
+    try:
+        first = [s["__key__"] for s in CachedDataset(urls, socket=socket)]
+    finally:
+        assert daemon.stop() == 0
+    gets = s3_server.count("GET", bucket)
+    assert gets == 4
+    # Leave debris as a crash would: a partial download and a data file without its index.
+    (hot / "0123.tar.partial").write_bytes(b"half a shard")
+    (hot / "4567.tar").write_bytes(b"no index")
+    daemon = ProcessDaemon(config, socket).start()
+    try:
+        assert not (hot / "0123.tar.partial").exists()
+        assert not (hot / "4567.tar").exists()
+        second = [s["__key__"] for s in CachedDataset(urls, socket=socket)]
+        status = daemon.status()
+    finally:
+        assert daemon.stop() == 0
+    assert second == first
+    assert s3_server.count("GET", bucket) == gets  # not one byte fetched again
+    assert status["counters"]["misses"] == 0 and status["hot"]["shards"] == 4
+
+
+def test_a_partial_shard_is_never_served(s3_server: S3Server, bucket: str, tmp_path: Path) -> None:
+    """A shard that fails mid-download (truncated tar) is reported, not served in part."""
+    good = make_tar([(f"k{i}", {"bin": b"y" * 4000}) for i in range(10)])
+    s3_server.put(bucket, "cut.tar", good[: len(good) // 2])
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        conn = Connection(d.socket)
+        with pytest.raises(RemoteError) as info:
+            list(read_shard(conn, f"s3://{bucket}/cut.tar", "s"))
+        assert info.value.code == ErrorCode.NOT_A_TAR
+        assert f"s3://{bucket}/cut.tar" in str(info.value)
+        assert not list((tmp_path / "hot").glob("*.tar"))
+        assert not list((tmp_path / "hot").glob("*.partial"))
