@@ -22,7 +22,7 @@ from cached_client.urls import parse
 
 from . import __version__
 from .errors import CachedError, ProtocolError
-from .fetcher import Fetcher, shard_id
+from .fetcher import DEMAND, PREFETCH, Fetcher, shard_id
 from .metrics import Metrics
 from .tiers.hot import HotTier, Shard
 
@@ -229,12 +229,15 @@ class Server:
         """The shard a request names, fetched on a miss, and the stream's lease on it.
         Opens count as hits or misses; reads (which follow an open) do not."""
         url, stream = _url(header), _str(header, "stream")
+        prefetch = bool(header.get("prefetch", False))
         started = time.monotonic()
-        shard, hit = await self.fetcher.ensure(url)
+        shard, hit = await self.fetcher.ensure(url, PREFETCH if prefetch else DEMAND)
         if not count:
             pass
         elif hit:
             self.metrics.hits.inc()
+        elif prefetch:
+            self.metrics.misses.labels("prefetch").inc()
         else:
             self.metrics.misses.labels("demand").inc()
             self.metrics.demand_wait_seconds.observe(time.monotonic() - started)

@@ -285,3 +285,30 @@ def test_a_partial_shard_is_never_served(s3_server: S3Server, bucket: str, tmp_p
         assert f"s3://{bucket}/cut.tar" in str(info.value)
         assert not list((tmp_path / "hot").glob("*.tar"))
         assert not list((tmp_path / "hot").glob("*.partial"))
+
+
+def test_a_demand_miss_outranks_queued_prefetches(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    from tests.faultproxy import FaultProxy
+
+    urls = upload(s3_server, bucket, dataset_shards(6, 5, payload=1000))
+    with FaultProxy.start(s3_server.endpoint_url) as proxy:
+        cfg = daemon_config(tmp_path, proxy.endpoint_url, **{"prefetch.concurrency": 1})
+        proxy.inject("delay", delay_s=1.0)  # the first download holds the only slot a while
+        with thread_daemon(cfg) as d:
+            conn = Connection(d.socket)
+            queued = [
+                conn.send({"op": "open", "url": u, "stream": "p", "pin": False, "prefetch": True})
+                for u in urls[:5]
+            ]
+            time.sleep(0.5)  # the prefetches are queued behind the slow one
+            demand = Connection(d.socket).request({"op": "open", "url": urls[5], "stream": "t"})
+            assert demand[0]["samples"] == 5
+            for rid in queued:
+                conn.wait(rid)
+        order = [s.path.rsplit("/", 1)[-1] for s in proxy.requests("GET")]
+    # One prefetch was already downloading (whichever HEAD finished first); the demand
+    # miss (shard 5) went next, before the four prefetches still queued.
+    assert order[1] == "shard-0005.tar", order
+    assert sorted(order) == [f"shard-000{i}.tar" for i in range(6)]

@@ -4,6 +4,7 @@ TarWriter): its index must name the same samples, extensions and bytes as webdat
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 import tarfile
@@ -329,6 +330,34 @@ def test_round_trip(tmp_path: Path) -> None:
     assert ShardIndex.from_bytes(surrogate.to_bytes()) == surrogate
 
 
+def _doc(**changes: object) -> bytes:
+    doc: dict[str, object] = {
+        "format": "cached-tar-index",
+        "version": 1,
+        "size": 4096,
+        "keys": ["a", "b"],
+        "counts": [2, 1],
+        "exts": [0, 1, 0],
+        "offsets": [512, 1536, 2560],
+        "sizes": [3, 4, 5],
+        "ext_names": ["jpg", "cls"],
+    }
+    doc.update(changes)
+    return json.dumps({k: v for k, v in doc.items() if v is not None}).encode()
+
+
+def test_from_bytes_reads_the_documented_format() -> None:
+    index = ShardIndex.from_bytes(_doc())
+    assert index == ShardIndex(
+        (
+            Sample("a", (Member("jpg", 512, 3), Member("cls", 1536, 4))),
+            Sample("b", (Member("jpg", 2560, 5),)),
+        ),
+        4096,
+    )
+    assert ShardIndex.from_bytes(index.to_bytes()) == index
+
+
 @pytest.mark.parametrize(
     "blob",
     [
@@ -336,16 +365,28 @@ def test_round_trip(tmp_path: Path) -> None:
         b"\xff\xfe",
         b"not json",
         b"[]",
-        b'{"format":"cached-tar-index","version":999,"size":0,"samples":[]}',
-        b'{"format":"other","version":1,"size":0,"samples":[]}',
-        b'{"format":"cached-tar-index","version":1,"size":-1,"samples":[]}',
-        b'{"format":"cached-tar-index","version":1,"size":0}',
-        b'{"format":"cached-tar-index","version":1,"size":0,"samples":[["k"]]}',
-        b'{"format":"cached-tar-index","version":1,"size":0,"samples":[["k",[["t",1]]]]}',
-        b'{"format":"cached-tar-index","version":1,"size":0,"samples":[["k",[["t","1",2]]]]}',
-        b'{"format":"cached-tar-index","version":1,"size":0,"samples":[[1,[["t",1,2]]]]}',
-        b'{"format":"cached-tar-index","version":1,"size":0,"samples":[["k",[["t",1,true]]]]}',
         b"[" * 100000,
+        _doc(version=999),
+        _doc(version=None),
+        _doc(format="other"),
+        _doc(size=-1),
+        _doc(size=True),
+        _doc(size=[1]),
+        _doc(keys=None),
+        _doc(keys=["a", 1]),
+        _doc(keys=["a"]),
+        _doc(counts=[2, 2]),
+        _doc(counts=[1, 1]),
+        _doc(counts="21"),
+        _doc(exts=[0, 1, 2]),
+        _doc(exts=[0, 1, -1]),
+        _doc(exts=[0, 1]),
+        _doc(offsets=[512, "1536", 2560]),
+        _doc(offsets=[512, -1, 2560]),
+        _doc(offsets=[512, 1536.0, 2560]),
+        _doc(sizes=[3, 4, True]),
+        _doc(sizes={"a": 1}),
+        _doc(ext_names=["jpg", 7]),
     ],
 )
 def test_from_bytes_rejects_garbage(blob: bytes) -> None:
@@ -359,3 +400,18 @@ def test_from_bytes_rejects_truncated_index(tmp_path: Path) -> None:
     for cut in (1, len(blob) // 2, len(blob) - 1):
         with pytest.raises(CacheError):
             ShardIndex.from_bytes(blob[:cut])
+
+
+def test_oversized_long_name_is_refused() -> None:
+    # A GNU long name is the one payload the indexer buffers; a hostile size must not
+    # make it buffer without bound.
+    info = tarfile.TarInfo("x" * 200 + ".txt")
+    info.size = 1
+    header = bytearray(info.tobuf(tarfile.GNU_FORMAT)[:512])  # the "L" header alone
+    assert header[156:157] == b"L"
+    header[124:136] = b"%011o\0" % (64 << 20)
+    _rechecksum(header)
+    indexer = TarIndexer(URL)
+    with pytest.raises(NotATarError, match="extended header") as caught:
+        indexer.feed(bytes(header))
+    assert URL in str(caught.value)

@@ -28,10 +28,11 @@ from .retry import OnRetry, RetryPolicy, retrying
 
 T = TypeVar("T")
 
-# An ETag that is the object's MD5: single-part uploads (PUT, POST, copy) without SSE-KMS.
-# Multipart uploads get "<md5 of the part md5s>-<parts>", which cannot be recomputed
-# without knowing the part boundaries the uploader chose, so those objects get the size
-# check only (their transport is still covered by TCP and TLS checksums).
+# An ETag that is the object's MD5: single-part uploads (PUT, POST, copy) without SSE-KMS
+# or SSE-C. Multipart uploads get "<md5 of the part md5s>-<parts>", which cannot be
+# recomputed without knowing the part boundaries the uploader chose, so those objects get
+# the size check only (their transport is still covered by TCP and TLS checksums). So do
+# encrypted objects whose ETag is not an MD5 although it looks like one: see _etag_is_md5.
 _PLAIN_MD5 = re.compile(r"^[0-9a-f]{32}$")
 # Hash in a worker thread above this size: hashlib releases the GIL, and a 16 MiB part
 # would otherwise hold the event loop for tens of milliseconds.
@@ -59,16 +60,21 @@ class _Verifier:
         self._md5 = hashlib.md5(usedforsecurity=False) if self._expected_md5 else None
         self.delivered = 0
 
+    def not_md5(self) -> None:
+        """The server says the ETag is not an MD5 after all (encryption): size check only."""
+        self._md5 = None
+
     async def deliver(self, data: bytes, sink: Sink) -> None:
         """Hash ``data`` and hand it to the sink, overlapping the two for large chunks."""
         self.delivered += len(data)
-        if self._md5 is None:
+        md5 = self._md5
+        if md5 is None:
             await sink(data)
         elif len(data) < _HASH_IN_THREAD_BYTES:
-            self._md5.update(data)
+            md5.update(data)
             await sink(data)
         else:
-            await asyncio.gather(asyncio.to_thread(self._md5.update, data), sink(data))
+            await asyncio.gather(asyncio.to_thread(md5.update, data), sink(data))
 
     def finish(self) -> None:
         """Raise :class:`VerifyError` unless every byte arrived and the MD5 matches."""
@@ -83,8 +89,22 @@ class _Verifier:
             if got != self._expected_md5:
                 raise VerifyError(
                     f"{url}: MD5 mismatch: expected {self._expected_md5} (the ETag), got "
-                    f"{got}; the bytes were corrupted in transit; fetch it again"
+                    f"{got}; the bytes were corrupted in transit; fetch it again (if this "
+                    "store's ETags are not MD5s, set [s3] verify_checksum = false)"
                 )
+
+
+def _etag_is_md5(response: dict[str, Any], aws: bool) -> bool:
+    """Whether a GET response's ETag can be an MD5 of the bytes, judging by its encryption.
+
+    SSE-C and SSE-KMS ETags are not MD5s. SSE-S3 (AES256) ETags are on AWS, where every
+    object now has it; S3-compatible stores (MinIO) derive theirs differently, so there
+    an encrypted object gets the size check only.
+    """
+    if response.get("SSECustomerAlgorithm"):
+        return False
+    sse = response.get("ServerSideEncryption")
+    return not sse or (sse == "AES256" and aws)
 
 
 def _status_and_code(exc: boto_exc.ClientError) -> tuple[int, str, str]:
@@ -176,6 +196,7 @@ class S3Source:
         self._stack: AsyncExitStack | None = None
         self._client: Any = None
         self._endpoint = ""
+        self._aws = cfg.endpoint_url is None
         # Reads from a streamed GET are gathered up to this size before the sink sees them:
         # fewer, larger writes downstream, while memory stays small.
         self.chunk_size_bytes = min(cfg.part_size_bytes, 1 << 20)
@@ -296,6 +317,8 @@ class S3Source:
             # The first attempt takes the whole object; a resumed one, the rest of it.
             params = self._get_params(info, start or None, info.size - 1)
             response = await _get_object(client, **params)
+            if not _etag_is_md5(response, self._aws):
+                verifier.not_md5()
             body = response["Body"]
             async with body:
                 expected = info.size - start
@@ -332,13 +355,17 @@ class S3Source:
 
         await self._call(f"GET {info.url}", info.url, attempt)
 
-    async def _get_part(self, info: ObjectInfo, first: int, last: int) -> bytes:
+    async def _get_part(
+        self, info: ObjectInfo, first: int, last: int, verifier: _Verifier
+    ) -> bytes:
         """One ranged GET, retried whole: a part is delivered only once it is complete."""
         client = self._client
         params = self._get_params(info, first, last)
 
         async def attempt() -> bytes:
             response = await _get_object(client, **params)
+            if not _etag_is_md5(response, self._aws):
+                verifier.not_md5()
             async with response["Body"] as body:
                 data = await _read(body, -1)
             if len(data) != last - first + 1:
@@ -354,13 +381,13 @@ class S3Source:
     async def _fetch_parts(self, info: ObjectInfo, sink: Sink, verifier: _Verifier) -> None:
         """Ranged GETs in a sliding window: start parts ahead, hand them over in order."""
         size, step = info.size, self._cfg.part_size_bytes
-        ranges = iter([(a, min(a + step, size) - 1) for a in range(0, size, step)])
+        ranges = ((a, min(a + step, size) - 1) for a in range(0, size, step))
         window: deque[asyncio.Task[bytes]] = deque()
 
         def start_next() -> None:
             span = next(ranges, None)
             if span is not None:
-                window.append(asyncio.create_task(self._get_part(info, *span)))
+                window.append(asyncio.create_task(self._get_part(info, *span, verifier)))
 
         try:
             for _ in range(self._cfg.part_concurrency):
