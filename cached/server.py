@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,8 @@ class Server:
         self._tasks: set[asyncio.Task[None]] = set()
         self._active = asyncio.Semaphore(MAX_ACTIVE_REQUESTS)
         self.bound_endpoint = endpoint
+        # Changes with every start: a client that sees a new one re-sends what it lost.
+        self.instance = uuid.uuid4().hex
 
     async def __aenter__(self) -> Server:
         if self.endpoint.startswith("ipc://"):
@@ -211,7 +214,11 @@ class Server:
                     f"client speaks protocol v{version}, this daemon speaks "
                     f"v{PROTOCOL_VERSION}; upgrade cached-client or the daemon"
                 )
-            return {"v": PROTOCOL_VERSION, "server": f"cached/{__version__}"}, []
+            return {
+                "v": PROTOCOL_VERSION,
+                "server": f"cached/{__version__}",
+                "instance": self.instance,
+            }, []
         if op == Op.OPEN:
             return await self._open(header), []
         if op == Op.READ:

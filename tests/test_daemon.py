@@ -312,3 +312,56 @@ def test_a_demand_miss_outranks_queued_prefetches(
     # miss (shard 5) went next, before the four prefetches still queued.
     assert order[1] == "shard-0005.tar", order
     assert sorted(order) == [f"shard-000{i}.tar" for i in range(6)]
+
+
+def test_client_resumes_at_the_next_sample_after_a_daemon_crash(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """kill -9 the daemon while a read waits on a download; a new daemon comes up on the
+    same socket; the client re-sends what was lost and the epoch completes exactly once."""
+    import signal
+
+    from tests.faultproxy import FaultProxy
+
+    urls = upload(s3_server, bucket, dataset_shards(3, 20, payload=2000))
+    expected = [f"s{s:04d}-{i:05d}" for s in range(3) for i in range(20)]
+    with FaultProxy.start(s3_server.endpoint_url) as proxy:
+        socket = f"ipc://{tmp_path}/cached.sock"
+        config = write_config(tmp_path / "config.toml", {
+            "server": {"socket": socket, "http": "127.0.0.1:0"},
+            "cache": {"dir": str(tmp_path / "hot"), "capacity": "1GiB", "min_free": "0"},
+            "s3": {"endpoint_url": proxy.endpoint_url},
+        })
+        first = ProcessDaemon(config, socket).start()
+        second = ProcessDaemon(config, socket)
+        try:
+            it = iter(CachedDataset(urls, socket=socket))
+            keys = [next(it)["__key__"] for _ in range(25)]  # into shard 1
+            proxy.inject("delay", delay_s=3.0)  # shard 2's download will hang a while
+            # Consume the rest of shard 1 while the open of shard 2 waits, then crash.
+            keys += [next(it)["__key__"] for _ in range(15)]
+            killer = threading.Timer(1.0, lambda: first.stop(signal.SIGKILL))
+            killer.start()
+            restarter = threading.Timer(2.0, second.start)
+            restarter.start()
+            started = time.monotonic()
+            keys += [s["__key__"] for s in it]
+            # Seen the new daemon's instance in a ping reply and re-sent at once, well
+            # before the 15 s after which a silent daemon is given up on and redialled.
+            assert time.monotonic() - started < 10
+            killer.join()
+            restarter.join()
+        finally:
+            first.stop()
+            if second.proc is not None:
+                assert second.stop() == 0
+    assert keys == expected
+
+
+def test_serves_over_tcp_too(s3_server: S3Server, bucket: str, tmp_path: Path) -> None:
+    urls = upload(s3_server, bucket, dataset_shards(2, 10, payload=3000))
+    cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"server.socket": "tcp://127.0.0.1:*"})
+    with thread_daemon(cfg) as d:
+        assert d.socket.startswith("tcp://127.0.0.1:") and not d.socket.endswith("*")
+        keys = [s["__key__"] for s in CachedDataset(urls, socket=d.socket)]
+    assert keys == [f"s{s:04d}-{i:05d}" for s in range(2) for i in range(10)]

@@ -49,6 +49,7 @@ class Connection:
         self._ids = itertools.count(1)
         self._pending: dict[int, Header] = {}  # sent, not yet answered: re-sent on reconnect
         self._early: dict[int, tuple[Header, list[zmq.Frame]]] = {}
+        self._instance: Any = None  # the daemon's start id, from its hello
 
     def _unreachable(self) -> DaemonUnavailable:
         return DaemonUnavailable(
@@ -72,6 +73,7 @@ class Connection:
         if not header.get("ok"):
             self.close()
             raise remote_error(str(header.get("code")), str(header.get("message")))
+        self._instance = header.get("instance")
 
     def close(self) -> None:
         """Close the socket (pending requests are kept for a reconnect)."""
@@ -141,6 +143,8 @@ class Connection:
                     return header, frames
                 if rid == ping_id:
                     ping_id = None
+                    if header.get("instance") != self._instance:
+                        self._restarted(header.get("instance"))
                 else:
                     self.stash(header, frames)
                 continue
@@ -159,6 +163,16 @@ class Connection:
                 # Not pending: a ping's reply only proves the daemon is alive.
                 ping_id = next(self._ids)
                 self._sock.send(encode({"op": Op.HELLO, "id": ping_id, "v": PROTOCOL_VERSION}))
+
+    def _restarted(self, instance: Any) -> None:
+        """The daemon restarted under us: whatever it had not answered is lost with the old
+        process, so ask again (reads are idempotent; a late duplicate reply is dropped)."""
+        log.warning("cached daemon at %s restarted; re-sending %d requests", self.endpoint,
+                    len(self._pending))
+        self._instance = instance
+        assert self._sock is not None
+        for header in self._pending.values():
+            self._sock.send(encode(header))
 
     def _reconnect_within(self, budget_s: float) -> None:
         give_up = time.monotonic() + budget_s
