@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import os
 import random
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -75,8 +76,11 @@ class CachedDataset(IterableDataset[Any]):
         self.inflight = inflight
         self.connect_timeout_s = connect_timeout_s
         # Shared with DataLoader workers (persistent ones too), so set_epoch reaches them.
-        self._epoch: Synchronized[int] | int = multiprocessing.Value("q", 0)
+        # Raw: one aligned int64 needs no lock, and a fork-context lock cannot be sent to
+        # spawn or forkserver workers.
+        self._epoch: ctypes.c_int64 | int = multiprocessing.RawValue(ctypes.c_int64, 0)
         self._conn: Connection | None = None
+        self._conn_pid = 0
         self._lengths: list[int] | None = None
 
     # -- epochs -----------------------------------------------------------------------------
@@ -107,8 +111,14 @@ class CachedDataset(IterableDataset[Any]):
 
     def connection(self) -> Connection:
         """This process's connection to the daemon (opened on first use)."""
+        pid = os.getpid()
+        if self._conn is not None and self._conn_pid != pid:
+            # Inherited over fork (a DataLoader worker of a process that iterated before):
+            # a ZeroMQ socket is unusable after fork, and pyzmq's close is a no-op here.
+            self._conn = None
         if self._conn is None:
             self._conn = Connection(self.endpoint, connect_timeout_s=self.connect_timeout_s)
+            self._conn_pid = pid
         self._conn.open()
         return self._conn
 

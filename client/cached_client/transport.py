@@ -167,8 +167,11 @@ class Connection:
     def _restarted(self, instance: Any) -> None:
         """The daemon restarted under us: whatever it had not answered is lost with the old
         process, so ask again (reads are idempotent; a late duplicate reply is dropped)."""
-        log.warning("cached daemon at %s restarted; re-sending %d requests", self.endpoint,
-                    len(self._pending))
+        log.warning(
+            "cached daemon at %s restarted; re-sending %d requests",
+            self.endpoint,
+            len(self._pending),
+        )
         self._instance = instance
         assert self._sock is not None
         for header in self._pending.values():
