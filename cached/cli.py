@@ -169,8 +169,13 @@ def _prefetch(cfg: Config, patterns: list[str]) -> int:
             while todo and len(pending) < window:
                 url = todo.pop(0)
                 # A prefetch open yields download slots to the trainers' demand misses.
-                request = {"op": Op.OPEN, "url": url, "stream": stream, "pin": False,
-                           "prefetch": True}
+                request = {
+                    "op": Op.OPEN,
+                    "url": url,
+                    "stream": stream,
+                    "pin": False,
+                    "prefetch": True,
+                }
                 pending.append((url, conn.send(request)))
             url, rid = pending.pop(0)
             try:

@@ -9,21 +9,17 @@ from S3, and the share of time the loop waited for data.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import os
-import signal
-import subprocess
-import sys
-import tarfile
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .local import make_tar
 
 IMAGE_SHAPE = (3, 32, 32)
 CLASSES = 10
@@ -35,21 +31,17 @@ def make_shard(index: int, samples: int, seed: int = 0) -> bytes:
     Each class has its own mean pattern plus noise, so a small model can learn it."""
     rng = np.random.default_rng(seed * 100_003 + index)
     patterns = np.random.default_rng(seed).integers(0, 256, (CLASSES, *IMAGE_SHAPE))
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+
+    def samples_of_shard() -> Iterator[tuple[str, dict[str, bytes]]]:
         for i in range(samples):
             label = int(rng.integers(CLASSES))
             noise = rng.normal(0, 40, IMAGE_SHAPE)
             image = np.clip(patterns[label] + noise, 0, 255).astype(np.uint8)
             npy = io.BytesIO()
             np.save(npy, image)
-            key = f"s{index:06d}-{i:06d}"
-            for ext, data in ((".npy", npy.getvalue()), (".cls", str(label).encode())):
-                info = tarfile.TarInfo(key + ext)
-                info.size = len(data)
-                info.mtime = 0
-                tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+            yield f"s{index:06d}-{i:06d}", {"npy": npy.getvalue(), "cls": str(label).encode()}
+
+    return make_tar(samples_of_shard())
 
 
 def decode_sample(sample: dict[str, Any]) -> tuple[Any, int]:
@@ -58,53 +50,6 @@ def decode_sample(sample: dict[str, Any]) -> tuple[Any, int]:
 
     image = np.load(io.BytesIO(sample["npy"]))
     return torch.from_numpy(image).float().div_(255.0), int(sample["cls"])
-
-
-@contextlib.contextmanager
-def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server on 127.0.0.1, a free port."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-
-
-@contextlib.contextmanager
-def daemon_process(config: Path, socket: str, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``cached serve --config`` as a subprocess; waits until it answers, stops it after."""
-    from cached_client.errors import DaemonUnavailable
-    from cached_client.transport import Connection
-
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cached", "serve", "--config", str(config)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"cached serve exited with {proc.returncode}; see {log_path}")
-            try:
-                Connection(socket, connect_timeout_s=0.5).open()
-                break
-            except DaemonUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _counters(socket: str) -> dict[str, float]:
@@ -130,6 +75,7 @@ def main(
     from torch.utils.data import DataLoader
 
     from .config import format_size
+    from .local import DaemonProcess, s3_endpoint
 
     tmp = tempfile.TemporaryDirectory(prefix="cached-demo-") if workdir is None else None
     root = Path(tmp.name if tmp else workdir or ".")
@@ -160,7 +106,7 @@ def main(
                 f'[s3]\nendpoint_url = "{endpoint}"\n'
             )
             urls = f"s3://demo/train-{{000000..{shards - 1:06d}}}.tar"
-            with daemon_process(config, socket, root / "daemon.log"):
+            with DaemonProcess(config, socket, log=root / "daemon.log"):
                 print(
                     f"daemon up on {socket}; dataset {format_size(total)}; training on CPU "
                     f"with {workers} DataLoader workers\n"

@@ -4,25 +4,16 @@ subprocess. Both listen on real ZeroMQ sockets in a temporary directory."""
 from __future__ import annotations
 
 import asyncio
-import io
-import os
-import signal
-import subprocess
-import sys
-import tarfile
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cached_client.errors import DaemonUnavailable
-from cached_client.transport import Connection
-
 from cached.config import Config, load
 from cached.daemon import Daemon
+from cached.local import DaemonProcess, make_tar, write_config
 
 
 def daemon_config(tmp: Path, endpoint_url: str | None, **values: Any) -> Config:
@@ -91,80 +82,17 @@ def thread_daemon(cfg: Config) -> Iterator[ThreadDaemon]:
         thread.join(30)
 
 
-class ProcessDaemon:
-    """``cached serve --config`` as a subprocess."""
+# The tests' name for ``cached serve`` as a subprocess.
+ProcessDaemon = DaemonProcess
 
-    def __init__(self, config: Path, socket: str, env: dict[str, str] | None = None) -> None:
-        self.config = config
-        self.socket = socket
-        self.log = config.parent / "daemon.log"
-        self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 30) -> ProcessDaemon:
-        """Start and wait until it answers."""
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cached", "serve", "--config", str(self.config)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-            )
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log.read_text()}")
-            try:
-                Connection(self.socket, connect_timeout_s=0.5).open()
-                return self
-            except DaemonUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        """Stop it; returns the exit code."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-    def status(self) -> dict[str, Any]:
-        """The daemon's status reply."""
-        header, _ = Connection(self.socket).request({"op": "status"})
-        status: dict[str, Any] = header["status"]
-        return status
-
-
-def write_config(path: Path, cfg: dict[str, dict[str, Any]]) -> Path:
-    """Write a TOML config from nested dicts (strings, numbers, booleans)."""
-    lines = []
-    for section, values in cfg.items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if isinstance(value, bool):
-                lines.append(f"{key} = {'true' if value else 'false'}")
-            elif isinstance(value, int | float):
-                lines.append(f"{key} = {value}")
-            else:
-                lines.append(f'{key} = "{value}"')
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def make_tar(samples: list[tuple[str, dict[str, bytes]]]) -> bytes:
-    """A WebDataset tar: for each ``(key, {ext: bytes})`` the members ``key.ext``."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        for key, members in samples:
-            for ext, data in members.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+__all__ = [
+    "ProcessDaemon",
+    "daemon_config",
+    "dataset_shards",
+    "make_tar",
+    "thread_daemon",
+    "write_config",
+]
 
 
 def dataset_shards(

@@ -1,0 +1,143 @@
+"""A local stack on one machine, for ``cached demo``, the tests and the benchmarks: an
+S3-compatible endpoint on loopback, TOML configs, WebDataset tars, and ``cached serve``
+as a real subprocess."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from cached_client.errors import DaemonUnavailable
+from cached_client.protocol import Op
+from cached_client.transport import Connection
+
+
+@contextlib.contextmanager
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server on 127.0.0.1, a free port (needs the ``demo`` extra)."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+def make_tar(samples: Iterable[tuple[str, Mapping[str, bytes]]]) -> bytes:
+    """A WebDataset tar: for each ``(key, {ext: bytes})`` the members ``key.ext``."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for key, members in samples:
+            for ext, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def write_config(path: Path, cfg: Mapping[str, Mapping[str, Any]]) -> Path:
+    """Write a TOML config from nested mappings of strings, numbers and booleans."""
+    lines = []
+    for section, values in cfg.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                lines.append(f"{key} = {'true' if value else 'false'}")
+            elif isinstance(value, int | float):
+                lines.append(f"{key} = {value}")
+            else:
+                lines.append(f'{key} = "{value}"')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class DaemonProcess:
+    """``cached serve --config PATH`` as a subprocess. ``with`` starts and always stops it."""
+
+    def __init__(
+        self,
+        config: Path,
+        socket: str,
+        env: Mapping[str, str] | None = None,
+        log: Path | None = None,
+    ) -> None:
+        self.config = config
+        self.socket = socket
+        self.log = log or config.with_suffix(".log")
+        # A caller's CACHED_* variables would override the config under test.
+        base = {k: v for k, v in os.environ.items() if not k.startswith("CACHED_")}
+        self.env = {**base, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout_s: float = 60.0) -> DaemonProcess:
+        """Start it and wait until it answers a handshake."""
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "cached", "serve", "--config", str(self.config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+            )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"cached serve exited {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            conn = Connection(self.socket, connect_timeout_s=0.5)
+            try:
+                conn.open()
+                return self
+            except DaemonUnavailable:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise
+            finally:
+                conn.close()
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        """Send ``sig`` (SIGTERM drains), SIGKILL after 20 s; returns the exit code."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        try:
+            return proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def status(self) -> dict[str, Any]:
+        """The daemon's status reply."""
+        conn = Connection(self.socket, connect_timeout_s=5.0)
+        try:
+            header, _ = conn.request({"op": Op.STATUS})
+        finally:
+            conn.close()
+        status: dict[str, Any] = header["status"]
+        return status
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The end of the daemon's log."""
+        with contextlib.suppress(OSError):
+            return self.log.read_text(errors="replace")[-chars:]
+        return ""
