@@ -37,9 +37,11 @@ test: check
 
 bench: $(STAMP)
 	$(PY) bench/serve.py
+	$(PY) bench/transport.py
 
 bench-small: $(STAMP)
 	$(PY) bench/serve.py --small
+	$(PY) bench/transport.py --small
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .demo

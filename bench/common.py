@@ -22,13 +22,13 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cached_client.errors import DaemonUnavailable
-from cached_client.transport import Connection
+from cached.config import parse_size
+from cached.local import DaemonProcess, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "bench" / "out"
@@ -36,30 +36,6 @@ MB = 1_000_000  # MB/s in the tables are 10^6 bytes of sample payload per second
 
 
 # -- sizes --------------------------------------------------------------------------------------
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-}
-
-
-def parse_size(text: str) -> int:
-    """``"256MiB"``, ``"100KB"``, ``"1k"`` or ``"4096"`` -> bytes (KB = 1000, KiB = 1024)."""
-    s = text.strip().lower()
-    digits = s.rstrip("abcdefghijklmnopqrstuvwxyz").strip()
-    unit = s[len(digits) :].strip()
-    if unit not in _UNITS or not digits:
-        raise ValueError(f"not a size: {text!r} (e.g. 256MiB, 100KB, 1000)")
-    return int(float(digits) * _UNITS[unit])
 
 
 def parse_sizes(values: Sequence[str]) -> list[int]:
@@ -105,6 +81,7 @@ def machine() -> dict[str, Any]:
         "memory_bytes": mem,
         "kernel": platform.release(),
         "python": platform.python_version(),
+        "loadavg_at_start": loadavg(),
     }
     for name in ("torch", "zmq", "webdataset", "numpy"):
         with contextlib.suppress(Exception):
@@ -120,6 +97,11 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def loadavg() -> list[float]:
+    """The 1, 5 and 15 minute load averages (other tenants of a shared machine show here)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def machine_line(info: dict[str, Any]) -> str:
     """One header line describing the machine."""
     return (
@@ -128,7 +110,8 @@ def machine_line(info: dict[str, Any]) -> str:
         f"Linux {info['kernel']}; python {info['python']}, torch {info.get('torch', '?')}, "
         f"pyzmq {info.get('zmq', '?')} (libzmq {info.get('libzmq', '?')}), "
         f"webdataset {info.get('webdataset', '?')}, "
-        f"pinned memory {'yes' if info.get('pinned_memory') else 'no'}"
+        f"pinned memory {'yes' if info.get('pinned_memory') else 'no'}; "
+        f"load average {' '.join(str(x) for x in info['loadavg_at_start'])}"
     )
 
 
@@ -173,14 +156,26 @@ def _tar_header(name: bytes, size: int, templates: dict[int, bytes]) -> bytes:
     return bytes(h)
 
 
-def write_shards(directory: Path, shards: int, total: int, sample_size: int) -> ShardSet:
-    """Write ``shards`` tar files holding about ``total`` bytes of ``sample_size`` samples.
+def tar_bytes_bound(shards: int, samples: int, sample_size: int) -> int:
+    """An upper bound on the tar bytes :func:`write_shards` writes (to size a hot tier)."""
+    per_sample = 3 * 512 + -(-sample_size // 512) * 512  # two headers, data, a short .cls
+    return samples * per_sample + shards * (_TAR_RECORD + 1024)
+
+
+def write_shards(directory: Path, shards: int, samples: int, sample_size: int) -> ShardSet:
+    """Write ``samples`` samples of ``sample_size`` bytes spread evenly over ``shards`` tars.
 
     The files are byte for byte what ``tarfile`` (GNU format) writes for the same members,
     written without it for speed (hundreds of thousands of small members).
     """
     directory.mkdir(parents=True, exist_ok=True)
-    samples = max(shards, total // sample_size)
+    samples = max(shards, samples)
+    need, free = tar_bytes_bound(shards, samples, sample_size), shutil.disk_usage(directory).free
+    if need + (1 << 30) > free:  # leave the file system (shared with others) 1 GiB
+        raise RuntimeError(
+            f"{samples} samples of {sample_size} bytes need {human(need)} in {directory}, "
+            f"which has {human(free)} free"
+        )
     rng = random.Random(sample_size)
     pool = rng.randbytes(sample_size + 4096)  # incompressible; slices differ per sample
     templates: dict[int, bytes] = {}
@@ -232,129 +227,42 @@ def free_tcp_port() -> int:
         return port
 
 
-def write_config(path: Path, cfg: dict[str, dict[str, Any]]) -> Path:
-    """A TOML config from nested dicts of strings, numbers and booleans."""
-    lines = []
-    for section, values in cfg.items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if isinstance(value, bool):
-                lines.append(f"{key} = {'true' if value else 'false'}")
-            elif isinstance(value, int | float):
-                lines.append(f"{key} = {value}")
-            else:
-                lines.append(f"{key} = {json.dumps(str(value))}")
-    path.write_text("\n".join(lines) + "\n")
-    return path
+class Daemon(DaemonProcess):
+    """``cached serve`` for a benchmark: its config, log and hot tier in ``workdir``."""
 
-
-def _clean_env() -> dict[str, str]:
-    # A developer's CACHED_* variables would override the benchmark's config.
-    return {k: v for k, v in os.environ.items() if not k.startswith("CACHED_")}
-
-
-@dataclass
-class Daemon:
-    """``cached serve --config`` as a subprocess, on ``socket`` with its hot tier in
-    ``cache_dir``. ``with Daemon(...) as d:`` starts it and always stops it."""
-
-    workdir: Path
-    socket: str
-    cache_dir: Path
-    capacity: int
-    name: str = "daemon"
-    proc: subprocess.Popen[bytes] | None = None
-    config: Path = field(init=False)
-    log: Path = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.log = self.workdir / f"{self.name}.log"
-        self.config = write_config(
-            self.workdir / f"{self.name}.toml",
+    def __init__(
+        self, workdir: Path, socket: str, cache_dir: Path, capacity: int, name: str = "daemon"
+    ) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        config = write_config(
+            workdir / f"{name}.toml",
             {
-                "server": {"socket": self.socket, "http": "127.0.0.1:0"},
-                "cache": {
-                    "dir": str(self.cache_dir),
-                    "capacity": self.capacity,
-                    "min_free": 0,
-                },
+                "server": {"socket": socket, "http": "127.0.0.1:0"},
+                "cache": {"dir": str(cache_dir), "capacity": capacity, "min_free": 0},
             },
         )
+        super().__init__(config, socket, log=workdir / f"{name}.log")
 
-    def __enter__(self) -> Daemon:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.stop()
-
-    def start(self, timeout_s: float = 60.0) -> Daemon:
-        """Start it and wait until it answers a handshake."""
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cached", "serve", "--config", str(self.config)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=_clean_env(),
-                cwd=self.workdir,
-            )
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"cached serve exited {self.proc.returncode}:\n{self.log_tail()}")
-            conn = Connection(self.socket, connect_timeout_s=0.5)
-            try:
-                conn.open()
-                return self
-            except DaemonUnavailable:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise
-            finally:
-                conn.close()
-
-    def stop(self) -> int | None:
-        """SIGTERM (drain), then SIGKILL after 20 s; returns the exit code."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
+        if exc_type is not None and not issubclass(exc_type, KeyboardInterrupt | SystemExit):
+            print(f"--- end of {self.log}:\n{self.log_tail()}", file=sys.stderr)
 
     def prefetch(self, urls: Sequence[str]) -> float:
         """``cached prefetch URL...`` into this daemon's hot tier; returns seconds taken."""
         started = time.perf_counter()
         done = subprocess.run(
             [sys.executable, "-m", "cached", "prefetch", "--config", str(self.config), *urls],
-            env=_clean_env(),
+            env=self.env,
             capture_output=True,
             text=True,
             check=False,
         )
         if done.returncode != 0:
-            raise RuntimeError(f"cached prefetch failed ({done.returncode}):\n{done.stderr[-4000:]}")
+            raise RuntimeError(
+                f"cached prefetch failed ({done.returncode}):\n{done.stderr[-4000:]}"
+            )
         return time.perf_counter() - started
-
-    def status(self) -> dict[str, Any]:
-        """The daemon's status reply."""
-        conn = Connection(self.socket, connect_timeout_s=5.0)
-        try:
-            header, _ = conn.request({"op": "status"})
-        finally:
-            conn.close()
-        status: dict[str, Any] = header["status"]
-        return status
-
-    def log_tail(self, chars: int = 4000) -> str:
-        """The end of the daemon's log."""
-        with contextlib.suppress(OSError):
-            return self.log.read_text(errors="replace")[-chars:]
-        return ""
 
 
 # -- timing ---------------------------------------------------------------------------------
@@ -390,34 +298,52 @@ class Result:
     def record(self) -> dict[str, Any]:
         """A JSON-able record."""
         out = asdict(self)
-        out.update(
-            median_s=self.median_s, samples_per_s=self.samples_per_s, mb_per_s=self.mb_per_s
-        )
+        out.update(median_s=self.median_s, samples_per_s=self.samples_per_s, mb_per_s=self.mb_per_s)
         return out
 
 
-def measure(
-    config: str,
-    group: str,
-    one_pass: Pass,
+@dataclass
+class Spec:
+    """One configuration to time: a full pass over the data, returning (samples, bytes)."""
+
+    config: str
+    group: str
+    one_pass: Pass
+    warmup: bool = True  # one untimed pass first (worker start-up, connections, buffers)
+    workers: int | None = None
+    note: str = ""
+
+
+def measure_all(
+    specs: Sequence[Spec],
     *,
     repeats: int,
     expect: tuple[int, int],
-    warmup: bool = True,
-    workers: int | None = None,
-    note: str = "",
-) -> Result:
-    """Time ``repeats`` full passes (after one untimed warm-up pass when ``warmup``);
-    every pass must deliver exactly ``expect`` = (samples, bytes)."""
-    if warmup:
-        _check(config, one_pass(), expect)
-    runs = []
+    log: Callable[[str], None] = print,
+) -> list[Result]:
+    """Time ``repeats`` full passes of every configuration, interleaved round-robin (all
+    configurations once, then again...), so load from other tenants of a shared machine
+    spreads over all of them instead of skewing one. Warm-up passes come first. Every pass
+    must deliver exactly ``expect`` = (samples, bytes)."""
+    for spec in specs:
+        if spec.warmup:
+            _check(spec.config, spec.one_pass(), expect)
+    runs: list[list[float]] = [[] for _ in specs]
     for _ in range(repeats):
-        started = time.perf_counter()
-        got = one_pass()
-        runs.append(time.perf_counter() - started)
-        _check(config, got, expect)
-    return Result(config, group, expect[0], expect[1], runs, workers, note)
+        for spec, secs in zip(specs, runs, strict=True):
+            started = time.perf_counter()
+            got = spec.one_pass()
+            secs.append(time.perf_counter() - started)
+            _check(spec.config, got, expect)
+    results = []
+    for spec, secs in zip(specs, runs, strict=True):
+        r = Result(spec.config, spec.group, expect[0], expect[1], secs, spec.workers, spec.note)
+        log(
+            f"  {r.config:<30} {r.samples_per_s:>11,.0f} samples/s {r.mb_per_s:>9,.1f} MB/s"
+            f"   runs {' '.join(f'{s:.2f}' for s in r.runs_s)}"
+        )
+        results.append(r)
+    return results
 
 
 def _check(config: str, got: tuple[int, int], expect: tuple[int, int]) -> None:
@@ -445,6 +371,44 @@ def table(results: Sequence[Result], ratio_label: str) -> str:
             f"{r.config:<34} {r.samples_per_s:>11,.0f} {r.mb_per_s:>9,.1f} {ratio:>12}  {runs}"
         )
     return "\n".join(lines)
+
+
+# -- passes -----------------------------------------------------------------------------------
+
+
+def count_dicts(samples: Iterable[dict[str, Any]]) -> tuple[int, int]:
+    """(samples, bytes of every ``bytes`` value) of WebDataset-style dicts."""
+    n = nbytes = 0
+    for sample in samples:
+        n += 1
+        for value in sample.values():
+            if isinstance(value, bytes):
+                nbytes += len(value)
+    return n, nbytes
+
+
+def loader_pass(loader: Iterable[dict[str, Any]]) -> tuple[int, int]:
+    """One epoch of a DataLoader of sample dicts."""
+    return count_dicts(loader)
+
+
+def fast_pass(loader: Any) -> tuple[int, int]:
+    """One epoch of a FastLoader: samples and bytes received into its buffers."""
+    n = nbytes = 0
+    for batch in loader:
+        n += len(batch.keys)
+        for t in batch.data.values():
+            nbytes += t.numel()
+    return n, nbytes
+
+
+def samples_for(total: int, size: int, shards: int, max_samples: int) -> int:
+    """Samples in a shard set of ``size``-byte samples: ``total`` bytes' worth, at most
+    ``max_samples`` (0: no cap), at least one per shard."""
+    n = total // size
+    if max_samples:
+        n = min(n, max_samples)
+    return max(shards, n)
 
 
 # -- running ----------------------------------------------------------------------------------

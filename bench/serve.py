@@ -1,10 +1,12 @@
 """Serving throughput: raw tar reads vs WebDataset vs CachedDataset vs FastLoader.
 
-On the same local shards (by default 64 shards, 256 MiB of 100 KB samples, then the same
-of 1 KB samples), one run measures samples/s and MB/s of:
+On the same local shards (by default 64 shards holding 256 MiB of 100 KB samples, then 64
+shards of 1 KB samples, capped at 32,768 samples), one run measures samples/s and MB/s of:
 
   (a) raw-tarfile       Python ``tarfile`` streaming iteration (mode ``r|``, as WebDataset
                         opens shards), reading every member's bytes; one process.
+      raw-parse         a tight raw reader: whole-file read, headers parsed by slicing,
+                        members copied out to ``bytes``; one process.
       raw-read          plain ``readinto`` of the whole files into one buffer: the page
                         cache's ceiling, no parsing at all (MB/s count sample payload).
   (b) webdataset w=N    ``webdataset.WebDataset`` over the local files, through a torch
@@ -15,10 +17,11 @@ of 1 KB samples), one run measures samples/s and MB/s of:
   (d) fast b=B          ``FastLoader`` from the same warm daemon: payload frames received in
                         place into reusable (pinned where available) host buffers, batches of B.
 
-Every configuration runs one untimed warm-up pass (worker start-up, connections), then
-``--repeats`` timed full passes; the table shows the median. Ratios are samples/s against
-the best WebDataset configuration of the same shard set. Results also go to
-``bench/out/serve-<timestamp>.json``.
+The files are read once before timing (page cache). Every configuration runs one untimed
+warm-up pass (worker start-up, connections), then ``--repeats`` timed full passes,
+interleaved round-robin over the configurations; the table shows the median. Ratios are
+samples/s against the best WebDataset configuration of the same shard set. Results also
+go to ``bench/out/serve-<timestamp>.json``. See docs/benchmarks.md.
 
     python bench/serve.py                 # the full default run (minutes)
     python bench/serve.py --small         # a smoke run for CI (seconds)
@@ -27,34 +30,24 @@ the best WebDataset configuration of the same shard set. Results also go to
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tarfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import common  # noqa: E402
-from bench.common import Result, ShardSet  # noqa: E402
+from bench import common
+from bench.common import Result, ShardSet
 
 DEFAULT_SIZES = ("100KB", "1KB")
 
 
 # -- one pass of each kind ----------------------------------------------------------------------
-
-
-def count_dicts(samples: Iterable[dict[str, Any]]) -> tuple[int, int]:
-    """(samples, bytes of every ``bytes`` value) of WebDataset-style dicts."""
-    n = nbytes = 0
-    for sample in samples:
-        n += 1
-        for value in sample.values():
-            if isinstance(value, bytes):
-                nbytes += len(value)
-    return n, nbytes
 
 
 def raw_tarfile(paths: Sequence[Path]) -> tuple[int, int]:
@@ -75,18 +68,28 @@ def raw_tarfile(paths: Sequence[Path]) -> tuple[int, int]:
     return n, nbytes
 
 
-def loader_pass(loader: Iterable[dict[str, Any]]) -> tuple[int, int]:
-    """One epoch of a DataLoader of sample dicts."""
-    return count_dicts(loader)
-
-
-def fast_pass(loader: Any) -> tuple[int, int]:
-    """One epoch of a FastLoader: samples and bytes received into its buffers."""
+def raw_parse(paths: Sequence[Path]) -> tuple[int, int]:
+    """A tight raw reader: each tar read whole in one call, 512-byte headers parsed by
+    slicing, every member copied out as ``bytes`` (as a reader hands samples on). Handles
+    the plain ustar/GNU members these shards have; raises on long names or pax headers."""
     n = nbytes = 0
-    for batch in loader:
-        n += len(batch.keys)
-        for t in batch.data.values():
-            nbytes += t.numel()
+    for path in paths:
+        data = path.read_bytes()
+        view = memoryview(data)
+        pos, end, last = 0, len(data), b""
+        while pos + 512 <= end and data[pos] != 0:
+            kind = data[pos + 156]
+            size = int(data[pos + 124 : pos + 136].rstrip(b"\0 ") or b"0", 8)
+            name = data[pos : pos + 100].split(b"\0", 1)[0]
+            pos += 512
+            if kind in (0x30, 0):  # "0" or NUL: a regular file
+                nbytes += len(bytes(view[pos : pos + size]))
+                key = name.split(b".", 1)[0]
+                if key != last:
+                    n, last = n + 1, key
+            elif kind in (0x4C, 0x4B, 0x78, 0x67):  # L, K, x, g
+                raise ValueError(f"{path}: long names and pax headers are not handled")
+            pos += -(-size // 512) * 512
     return n, nbytes
 
 
@@ -94,7 +97,7 @@ def fast_pass(loader: Any) -> tuple[int, int]:
 
 
 def run_variant(
-    work: Path, shards: ShardSet, args: argparse.Namespace, log: Any
+    daemon: common.Daemon, shards: ShardSet, args: argparse.Namespace, log: Any
 ) -> tuple[list[Result], dict[str, Any]]:
     """Every configuration on one shard set; returns the results and daemon facts."""
     import webdataset as wds
@@ -103,77 +106,80 @@ def run_variant(
     from torch.utils.data import DataLoader
 
     expect = (shards.samples, shards.payload_bytes)
-    reps = args.repeats
-    results: list[Result] = []
 
-    def note(r: Result) -> Result:
-        log(
-            f"  {r.config:<30} {r.samples_per_s:>11,.0f} samples/s {r.mb_per_s:>9,.1f} MB/s"
-            f"   runs {' '.join(f'{s:.2f}' for s in r.runs_s)}"
-        )
-        results.append(r)
-        return r
-
-    # Page cache: read every file once before anything is timed.
-    common.read_files(shards.paths)
-    note(
-        common.measure(
-            "raw-tarfile (1 proc)", "raw", lambda: raw_tarfile(shards.paths), repeats=reps,
-            expect=expect, warmup=False, note="tarfile mode r|, reads every member",
-        )
-    )
-    raw_read = common.measure(
-        "raw-read (file bytes)", "raw", lambda: (expect[0], expect[1]), repeats=0,
-        expect=expect, warmup=False,
-    )
-    for _ in range(reps):
-        started = time.perf_counter()
+    def read_all() -> tuple[int, int]:
         common.read_files(shards.paths)
-        raw_read.runs_s.append(time.perf_counter() - started)
-    raw_read.note = f"readinto of {shards.tar_bytes} tar bytes; MB/s counts payload"
-    note(raw_read)
+        return expect
 
+    specs = [
+        common.Spec(
+            "raw-tarfile (1 proc)",
+            "raw",
+            functools.partial(raw_tarfile, shards.paths),
+            warmup=False,
+            note="tarfile mode r|, reads every member",
+        ),
+        common.Spec(
+            "raw-parse (1 proc)",
+            "raw",
+            functools.partial(raw_parse, shards.paths),
+            warmup=False,
+            note="whole-file read, headers parsed by slicing, members copied to bytes",
+        ),
+        common.Spec(
+            "raw-read (file bytes)",
+            "raw",
+            read_all,
+            warmup=False,
+            note=f"readinto of {shards.tar_bytes} tar bytes; MB/s counts sample payload",
+        ),
+    ]
     paths = [str(p) for p in shards.paths]
     for w in args.workers:
         wds_ds = wds.WebDataset(paths, shardshuffle=False, empty_check=False)
         loader = DataLoader(wds_ds, batch_size=None, num_workers=w, persistent_workers=w > 0)
-        note(
-            common.measure(
-                f"webdataset w={w}", "webdataset", lambda ld=loader: loader_pass(ld),
-                repeats=reps, expect=expect, workers=w,
+        specs.append(
+            common.Spec(
+                f"webdataset w={w}",
+                "webdataset",
+                functools.partial(common.loader_pass, loader),
+                workers=w,
             )
         )
-        del loader
-
-    capacity = int(shards.tar_bytes * 1.25) + len(shards.paths) * 65536 + (64 << 20)
-    socket = f"ipc://{work}/cached.sock"
-    facts: dict[str, Any] = {"socket": socket}
-    with common.Daemon(work / "daemon", socket, work / "hot", capacity) as daemon:
-        facts["prefetch_s"] = daemon.prefetch(shards.urls)
-        before = daemon.status()["counters"]
-        for w in args.workers:
-            ds = CachedDataset(shards.urls, socket=socket)
-            loader = DataLoader(ds, batch_size=None, num_workers=w, persistent_workers=w > 0)
-            note(
-                common.measure(
-                    f"cached w={w}", "cached", lambda ld=loader: loader_pass(ld),
-                    repeats=reps, expect=expect, workers=w,
-                )
-            )
-            del loader, ds
-        fast = FastLoader(shards.urls, batch_size=args.batch_size, socket=socket)
-        note(
-            common.measure(
-                f"fast b={args.batch_size}", "fast", lambda: fast_pass(fast), repeats=reps,
-                expect=expect, workers=0,
-                note=f"pinned host buffers: {_pinned()}",
+    socket = daemon.socket
+    facts: dict[str, Any] = {"socket": socket, "prefetch_s": daemon.prefetch(shards.urls)}
+    for w in args.workers:
+        ds = CachedDataset(shards.urls, socket=socket)
+        loader = DataLoader(ds, batch_size=None, num_workers=w, persistent_workers=w > 0)
+        specs.append(
+            common.Spec(
+                f"cached w={w}",
+                "cached",
+                functools.partial(common.loader_pass, loader),
+                workers=w,
             )
         )
-        after = daemon.status()["counters"]
-        facts["misses_during_timed_passes"] = after["misses"] - before["misses"]
-        facts["hits_during_timed_passes"] = after["hits"] - before["hits"]
-        if facts["misses_during_timed_passes"]:
-            log(f"  WARNING: {facts['misses_during_timed_passes']:.0f} hot-tier misses while timing")
+    fast = FastLoader(shards.urls, batch_size=args.batch_size, socket=socket)
+    specs.append(
+        common.Spec(
+            f"fast b={args.batch_size}",
+            "fast",
+            functools.partial(common.fast_pass, fast),
+            workers=0,
+            note=f"pinned host buffers: {_pinned()}",
+        )
+    )
+    common.read_files(shards.paths)  # page cache: every file read once before timing
+    before = daemon.status()["counters"]
+    results = common.measure_all(specs, repeats=args.repeats, expect=expect, log=log)
+    after = daemon.status()["counters"]
+    facts["misses_during_passes"] = after["misses"] - before["misses"]
+    facts["hits_during_passes"] = after["hits"] - before["hits"]
+    if facts["misses_during_passes"]:
+        log(
+            f"  WARNING: {facts['misses_during_passes']:.0f} hot-tier misses during the passes "
+            "(the hot tier was not warm)"
+        )
     return results, facts
 
 
@@ -184,16 +190,32 @@ def _pinned() -> bool:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--small", action="store_true", help="tiny sizes for CI: 8 shards x 2 MiB, 1 repeat")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--small", action="store_true", help="tiny sizes for CI: 8 shards x 2 MiB, 1 repeat"
+    )
     p.add_argument("--shards", type=int, help="shards per shard set (default 64; --small 8)")
     p.add_argument("--total", help="sample payload per shard set (default 256MiB; --small 2MiB)")
     p.add_argument(
-        "--sample-size", action="append", default=[],
+        "--sample-size",
+        action="append",
+        default=[],
         help="sample size(s), repeatable or comma-separated (default 100KB,1KB)",
     )
-    p.add_argument("--repeats", type=int, help="timed passes per configuration (default 3; --small 1)")
-    p.add_argument("--workers", action="append", default=[], help="DataLoader workers (default 0,1,2)")
+    p.add_argument(
+        "--max-samples",
+        type=int,
+        default=32768,
+        help="cap on samples per shard set, 0 for none (default 32768: the 1 KB set is 32 MiB)",
+    )
+    p.add_argument(
+        "--repeats", type=int, help="timed passes per configuration (default 3; --small 1)"
+    )
+    p.add_argument(
+        "--workers", action="append", default=[], help="DataLoader workers (default 0,1,2)"
+    )
     p.add_argument("--batch-size", type=int, default=64, help="FastLoader batch size (default 64)")
     p.add_argument("--out", type=Path, default=common.OUT_DIR, help="where the JSON goes")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
@@ -225,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": {
             "shards": args.shards,
             "total_bytes": args.total,
+            "max_samples": args.max_samples,
             "sample_sizes": args.sample_sizes,
             "repeats": args.repeats,
             "workers": args.workers,
@@ -232,58 +255,85 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "variants": [],
     }
-    tables = []
+    counts = {
+        size: common.samples_for(args.total, size, args.shards, args.max_samples)
+        for size in args.sample_sizes
+    }
+    capacity = sum(
+        common.tar_bytes_bound(args.shards, n, size) for size, n in counts.items()
+    ) * 5 // 4 + (256 << 20)
     with common.workdir("cached-bench-serve-", keep=args.keep) as work:
-        for size in args.sample_sizes:
-            t0 = time.perf_counter()
-            shards = common.write_shards(work / f"shards-{size}", args.shards, args.total, size)
-            log(
-                f"\n== {common.human(size)} samples: {shards.samples:,} samples in "
-                f"{len(shards.paths)} shards, {common.human(shards.payload_bytes)} payload, "
-                f"{common.human(shards.tar_bytes)} tar (written in {time.perf_counter() - t0:.1f}s)"
-            )
-            results, facts = run_variant(work / f"run-{size}", shards, args, log)
-            best = max(
-                (r for r in results if r.group == "webdataset"), key=lambda r: r.samples_per_s
-            )
-            common.set_ratios(results, best.samples_per_s)
-            title = (
-                f"{common.human(size)} samples ({shards.samples:,} samples, "
-                f"{len(shards.paths)} shards, {common.human(shards.payload_bytes)}), "
-                f"median of {args.repeats}; ratio vs best WebDataset ({best.config})"
-            )
-            text = f"{title}\n{common.table(results, 'vs ' + best.config)}"
-            tables.append(text)
-            log("\n" + text)
-            aims = check_aims(results, size)
-            for line in aims["lines"]:
-                log(line)
-            doc["variants"].append(
-                {
-                    "sample_size": size,
-                    "shards": len(shards.paths),
-                    "samples": shards.samples,
-                    "payload_bytes": shards.payload_bytes,
-                    "tar_bytes": shards.tar_bytes,
-                    "baseline": best.config,
-                    "daemon": facts,
-                    "aims": {k: v for k, v in aims.items() if k != "lines"},
-                    "results": [r.record() for r in results],
-                }
-            )
-            for path in shards.paths:  # keep /tmp small between variants
-                path.unlink()
+        # One daemon for every shard set, as on a node: its hot tier holds them all.
+        socket = f"ipc://{work}/cached.sock"
+        with common.Daemon(work / "daemon", socket, work / "hot", capacity) as daemon:
+            for size, n in counts.items():
+                variant = run_shard_set(
+                    daemon, work / f"shards-{size}", size=size, samples=n, args=args, log=log
+                )
+                doc["variants"].append(variant)
     doc["elapsed_s"] = time.perf_counter() - started
+    doc["loadavg_at_end"] = common.loadavg()
     out = common.write_json("serve", doc, args.out)
-    log(f"\nwrote {out} ({doc['elapsed_s']:.0f}s in all)")
+    log(
+        f"\nwrote {out} ({doc['elapsed_s']:.0f}s in all; load average at the end "
+        f"{' '.join(str(x) for x in doc['loadavg_at_end'])})"
+    )
     return 0
+
+
+def run_shard_set(
+    daemon: common.Daemon,
+    directory: Path,
+    *,
+    size: int,
+    samples: int,
+    args: argparse.Namespace,
+    log: Any,
+) -> dict[str, Any]:
+    """Write one shard set, measure every configuration on it, print its table; returns
+    its JSON record. The shard files are removed afterwards (the hot tier keeps its copy)."""
+    t0 = time.perf_counter()
+    shards = common.write_shards(directory, args.shards, samples, size)
+    log(
+        f"\n== {common.human(size)} samples: {shards.samples:,} samples in "
+        f"{len(shards.paths)} shards, {common.human(shards.payload_bytes)} payload, "
+        f"{common.human(shards.tar_bytes)} tar (written in {time.perf_counter() - t0:.1f}s)"
+    )
+    try:
+        results, facts = run_variant(daemon, shards, args, log)
+    finally:
+        for path in shards.paths:  # keep /tmp small between shard sets
+            path.unlink(missing_ok=True)
+    best = max((r for r in results if r.group == "webdataset"), key=lambda r: r.samples_per_s)
+    common.set_ratios(results, best.samples_per_s)
+    title = (
+        f"{common.human(size)} samples ({shards.samples:,} samples, {len(shards.paths)} shards, "
+        f"{common.human(shards.payload_bytes)} payload), median of {args.repeats}; "
+        f"ratio = samples/s vs best WebDataset ({best.config})"
+    )
+    log(f"\n{title}\n{common.table(results, 'ratio')}")
+    aims = check_aims(results, size)
+    for line in aims.pop("lines"):
+        log(line)
+    return {
+        "sample_size": size,
+        "shards": len(shards.paths),
+        "samples": shards.samples,
+        "payload_bytes": shards.payload_bytes,
+        "tar_bytes": shards.tar_bytes,
+        "baseline": best.config,
+        "daemon": facts,
+        "aims": aims,
+        "results": [r.record() for r in results],
+    }
 
 
 def check_aims(results: Sequence[Result], size: int) -> dict[str, Any]:
     """The aims of the issue: cached w=N >= webdataset w=N; fast >= 2x best WebDataset
     (for 100 KB samples). Reported, never enforced."""
     by = {r.config: r for r in results}
-    lines, aims = [], {}
+    lines: list[str] = []
+    aims: dict[str, Any] = {}
     for r in results:
         if r.group != "cached":
             continue

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import signal
 import subprocess
@@ -58,7 +59,7 @@ def write_config(path: Path, cfg: Mapping[str, Mapping[str, Any]]) -> Path:
             elif isinstance(value, int | float):
                 lines.append(f"{key} = {value}")
             else:
-                lines.append(f'{key} = "{value}"')
+                lines.append(f"{key} = {json.dumps(str(value))}")  # a TOML basic string
     path.write_text("\n".join(lines) + "\n")
     return path
 

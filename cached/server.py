@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 
 # Requests handled at once; past it the server stops reading and ZeroMQ queues push back.
 MAX_ACTIVE_REQUESTS = 1024
+# Frames below this are copied into ZeroMQ, larger ones sent zero-copy from the mmap.
+# Zero-copy costs a reference hand-off through pyzmq's garbage-collector thread per frame
+# (29% of the daemon's CPU at 100 KB frames); a copy of 1 MiB costs less (docs/decisions.md).
+COPY_THRESHOLD_BYTES = 1 << 20
 
 
 class Leases:
@@ -130,6 +134,7 @@ class Server:
         sock.setsockopt(zmq.LINGER, 0)
         # Replies to a vanished client fail loudly instead of queueing or dropping silently.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.copy_threshold = COPY_THRESHOLD_BYTES
         try:
             sock.bind(self.endpoint)
         except zmq.ZMQError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,11 +23,13 @@ from . import partition
 from .device import host_buffer
 from .errors import remote_error
 from .protocol import Header, Op
-from .reader import MAX_REQUEST_SAMPLES, TARGET_REQUEST_BYTES
+from .reader import MAX_REQUEST_SAMPLES, TARGET_REQUEST_BYTES, release, send_open
 from .transport import Connection, resolve_endpoint
 from .urls import expand_all
 
 _MIN_BUFFER = 1 << 20
+# Shards whose open goes out before their reads are due.
+OPEN_AHEAD = 2
 
 
 @dataclass
@@ -135,29 +138,18 @@ class FastLoader:
         parts = partition.by_shard(order, self.rank, self.world_size)
         if self.shuffle:
             random.Random(f"fast/{self.seed}/{self.epoch}").shuffle(parts)
-        requests = self._requests([self.urls[p.shard] for p in parts])
         slot_no = 0
-        pending: list[tuple[int, Header]] = []
         keys: list[str] = []
         offsets: dict[str, list[int]] = {}
         used: dict[str, int] = {}
         slot = self._claim(slot_no)
-        while True:
-            while len(pending) < self.inflight:
-                req = next(requests, None)
-                if req is None:
-                    break
-                pending.append((self.conn.send(req), req))
-            if not pending:
-                break
-            rid, _ = pending.pop(0)
-            header, early = self._reply(rid)
+        for header, early in self._replies([self.urls[p.shard] for p in parts]):
             for key, members in header["samples"]:
                 for ext, size in members:
                     at = used.get(ext, 0)
                     dst = slot.buffer(ext, at + size, at)[at : at + size].numpy()
                     if early is None:
-                        got = self.conn.recv_into(dst)
+                        got = self.conn.recv_into(dst)  # straight from the socket
                     else:
                         src = memoryview(next(early).buffer)
                         got = len(src)
@@ -178,22 +170,57 @@ class FastLoader:
         if keys and not self.drop_last:
             yield self._emit(slot, keys, offsets, used)
 
-    def _requests(self, urls: list[str]) -> Iterator[Header]:
-        for url in urls:
-            header, _ = self.conn.request({"op": Op.OPEN, "url": url, "stream": self._stream})
-            n, payload = int(header["samples"]), int(header["payload"])
-            per = max(1, min(MAX_REQUEST_SAMPLES, TARGET_REQUEST_BYTES * n // max(1, payload)))
-            for start in range(0, n, per):
-                req: Header = {
-                    "op": Op.READ,
-                    "url": url,
-                    "stream": self._stream,
-                    "start": start,
-                    "count": min(per, n - start),
-                }
-                if self.exts is not None:
-                    req["exts"] = self.exts
-                yield req
+    def _replies(self, urls: list[str]) -> Iterator[tuple[Header, Iterator[zmq.Frame] | None]]:
+        """Read replies in order, ``inflight`` reads and ``OPEN_AHEAD`` opens outstanding.
+
+        Opens of the next shards go out early, so a shard boundary costs no round trip and
+        the daemon fetches a missing next shard while this one is read. An open's reply has
+        no payload, so stashing it while a read is awaited is free; a read is never
+        stashed because no one blocks on an open while reads are in flight."""
+        conn = self.conn
+        opens: deque[tuple[str, int]] = deque()
+        reads: deque[Header] = deque()
+        pending: deque[int] = deque()
+        unread = list(reversed(urls))
+        current: str | None = None  # the shard whose reads are being sent
+        try:
+            while True:
+                while unread and len(opens) < OPEN_AHEAD:
+                    url = unread.pop()
+                    opens.append((url, send_open(conn, url, self._stream)))
+                while not reads and opens and (not pending or conn.has_reply(opens[0][1])):
+                    url, rid = opens.popleft()
+                    header, _ = conn.wait(rid)
+                    reads.extend(self._reads(url, header))
+                    current = url
+                while reads and len(pending) < self.inflight:
+                    pending.append(conn.send(reads.popleft()))
+                if not pending:
+                    return
+                rid = pending.popleft()
+                yield self._reply(rid)
+        finally:
+            conn.forget(list(pending) + [rid for _, rid in opens])
+            # Release the pins of the shard being read (a no-op if it was read to its end)
+            # and of those opened ahead.
+            for held in [current, *(u for u, _ in opens)]:
+                if held is not None:
+                    release(conn, held, self._stream)
+
+    def _reads(self, url: str, opened: Header) -> Iterator[Header]:
+        n, payload = int(opened["samples"]), int(opened["payload"])
+        per = max(1, min(MAX_REQUEST_SAMPLES, TARGET_REQUEST_BYTES * n // max(1, payload)))
+        for start in range(0, n, per):
+            req: Header = {
+                "op": Op.READ,
+                "url": url,
+                "stream": self._stream,
+                "start": start,
+                "count": min(per, n - start),
+            }
+            if self.exts is not None:
+                req["exts"] = self.exts
+            yield req
 
     def _reply(self, rid: int) -> tuple[Header, Iterator[zmq.Frame] | None]:
         """The reply to ``rid``: its header and, if it came early (stashed while another

@@ -25,6 +25,18 @@ def shard_length(conn: Connection, url: str, stream: str) -> int:
     return int(header["samples"])
 
 
+def send_open(conn: Connection, url: str, stream: str) -> int:
+    """Send an open (the daemon fetches the shard on a miss and pins it); returns its id."""
+    return conn.send({"op": Op.OPEN, "url": url, "stream": stream})
+
+
+def release(conn: Connection, url: str, stream: str) -> None:
+    """Release the stream's pin on a shard without waiting (best effort: a daemon that is
+    gone lets the lease lapse on its own)."""
+    with contextlib.suppress(Exception):
+        conn.send({"op": Op.CLOSE, "url": url, "stream": stream}, reply=False)
+
+
 def read_shard(
     conn: Connection,
     url: str,
@@ -33,13 +45,16 @@ def read_shard(
     start: int = 0,
     stop: int | None = None,
     inflight: int = 4,
+    opened: int | None = None,
 ) -> Iterator[RawSample]:
     """Yield ``(key, [(ext, frame), ...])`` for samples ``start..stop`` of one shard, in order.
 
     At most ``inflight`` read requests are outstanding (back-pressure: the daemon never
-    queues more for this reader). Leaving early releases the shard's pin.
+    queues more for this reader). ``opened`` is the id of an open already sent with
+    :func:`send_open` (reading ahead across shards); None opens now. Leaving early
+    releases the shard's pin.
     """
-    header, _ = conn.request({"op": Op.OPEN, "url": url, "stream": stream})
+    header, _ = conn.wait(send_open(conn, url, stream) if opened is None else opened)
     n = int(header["samples"])
     stop = n if stop is None else min(stop, n)
     avg = max(1, int(header["payload"]) // max(1, n))
@@ -72,6 +87,4 @@ def read_shard(
     finally:
         conn.forget(list(queue))
         if not finished:
-            # Best effort: if the daemon is gone, its lease lapses on its own.
-            with contextlib.suppress(Exception):
-                conn.send({"op": Op.CLOSE, "url": url, "stream": stream}, reply=False)
+            release(conn, url, stream)
