@@ -244,15 +244,12 @@ class Server:
         prefetch = bool(header.get("prefetch", False))
         started = time.monotonic()
         shard, hit = await self.fetcher.ensure(url, PREFETCH if prefetch else DEMAND)
-        if not count:
-            pass
-        elif hit:
+        if count and hit:
             self.metrics.hits.inc()
-        elif prefetch:
-            self.metrics.misses.labels("prefetch").inc()
-        else:
-            self.metrics.misses.labels("demand").inc()
-            self.metrics.demand_wait_seconds.observe(time.monotonic() - started)
+        elif count:
+            self.metrics.misses.labels("prefetch" if prefetch else "demand").inc()
+            if not prefetch:
+                self.metrics.demand_wait_seconds.observe(time.monotonic() - started)
         if header.get("pin", True):
             self.leases.hold(stream, shard)
         return shard, stream

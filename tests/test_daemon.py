@@ -327,11 +327,14 @@ def test_client_resumes_at_the_next_sample_after_a_daemon_crash(
     expected = [f"s{s:04d}-{i:05d}" for s in range(3) for i in range(20)]
     with FaultProxy.start(s3_server.endpoint_url) as proxy:
         socket = f"ipc://{tmp_path}/cached.sock"
-        config = write_config(tmp_path / "config.toml", {
-            "server": {"socket": socket, "http": "127.0.0.1:0"},
-            "cache": {"dir": str(tmp_path / "hot"), "capacity": "1GiB", "min_free": "0"},
-            "s3": {"endpoint_url": proxy.endpoint_url},
-        })
+        config = write_config(
+            tmp_path / "config.toml",
+            {
+                "server": {"socket": socket, "http": "127.0.0.1:0"},
+                "cache": {"dir": str(tmp_path / "hot"), "capacity": "1GiB", "min_free": "0"},
+                "s3": {"endpoint_url": proxy.endpoint_url},
+            },
+        )
         first = ProcessDaemon(config, socket).start()
         second = ProcessDaemon(config, socket)
         try:
@@ -365,3 +368,24 @@ def test_serves_over_tcp_too(s3_server: S3Server, bucket: str, tmp_path: Path) -
         assert d.socket.startswith("tcp://127.0.0.1:") and not d.socket.endswith("*")
         keys = [s["__key__"] for s in CachedDataset(urls, socket=d.socket)]
     assert keys == [f"s{s:04d}-{i:05d}" for s in range(2) for i in range(10)]
+
+
+def test_the_free_space_floor_refuses_downloads(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """`[cache] min_free` beyond what the disk has: nothing is written, the reader gets a
+    cache_full error naming the shard, and the daemon keeps answering."""
+    urls = upload(s3_server, bucket, dataset_shards(1, 3, payload=1000))
+    cfg = daemon_config(
+        tmp_path,
+        s3_server.endpoint_url,
+        **{"cache.min_free": "1000TiB", "cache.pin_wait_s": 0.2},
+    )
+    with thread_daemon(cfg) as d:
+        conn = Connection(d.socket)
+        with pytest.raises(RemoteError, match="no room for") as info:
+            conn.request({"op": "open", "url": urls[0], "stream": "s"})
+        assert info.value.code == ErrorCode.CACHE_FULL and urls[0] in str(info.value)
+        assert conn.request({"op": "status"})[0]["status"]["hot"]["shards"] == 0
+    assert s3_server.count("GET", bucket) == 0
+    assert not list((tmp_path / "hot").iterdir())
