@@ -116,13 +116,18 @@ class Fetcher:
         shard = self.hot.get(sid)
         if shard is not None:
             return shard, True
-        task = self._inflight.get(sid)
-        if task is None:
-            task = asyncio.create_task(self._fetch(sid, info, priority), name=f"fetch {url}")
-            self._inflight[sid] = task
-            task.add_done_callback(lambda _t: self._inflight.pop(sid, None))
-        # Shield: one waiter giving up (a client gone) must not cancel the shared download.
-        return await asyncio.shield(task), False
+        while True:
+            task = self._inflight.get(sid)
+            if task is None:
+                task = asyncio.create_task(self._fetch(sid, info, priority), name=f"fetch {url}")
+                self._inflight[sid] = task
+                task.add_done_callback(lambda _t: self._inflight.pop(sid, None))
+            # Shield: one waiter giving up (a client gone) must not cancel the shared download.
+            shard = await asyncio.shield(task)
+            # Under pressure another download may have evicted it between its publication
+            # and this waiter's turn; the caller pins what we return without awaiting.
+            if self.hot.get(sid) is shard:
+                return shard, False
 
     async def _fetch(self, sid: str, info: ObjectInfo, priority: int) -> Shard:
         scheme = parse(info.url).scheme

@@ -14,7 +14,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import partition
-from .reader import RawSample, read_shard, release, send_open, shard_length
+from .reader import RawSample, Span, read_spans, shard_length
 from .transport import Connection, resolve_endpoint
 from .urls import expand_all
 
@@ -163,32 +163,10 @@ class CachedDataset(IterableDataset[Any]):
                 yield self.decode(sample)
 
     def _samples(self, parts: list[partition.Part]) -> Iterator[Sample]:
+        spans = [Span(self.urls[p.shard], p.start, p.stop) for p in parts]
         conn, sid = self.connection(), self._stream_id()
-        urls = [self.urls[part.shard] for part in parts]
-        # The next shard's open goes out while this one is read: no round trip at the
-        # boundary, and a missing next shard is fetched meanwhile.
-        ahead: tuple[str, int] | None = (urls[0], send_open(conn, urls[0], sid)) if urls else None
-        try:
-            for i, part in enumerate(parts):
-                assert ahead is not None
-                (url, opened), ahead = ahead, None
-                if i + 1 < len(urls):
-                    ahead = (urls[i + 1], send_open(conn, urls[i + 1], sid))
-                raw = read_shard(
-                    conn,
-                    url,
-                    sid,
-                    start=part.start,
-                    stop=part.stop,
-                    inflight=self.inflight,
-                    opened=opened,
-                )
-                for item in raw:
-                    yield to_sample(url, item)
-        finally:
-            if ahead is not None:  # left early: release the shard opened ahead
-                conn.forget([ahead[1]])
-                release(conn, ahead[0], sid)
+        for url, raw in read_spans(conn, spans, sid, inflight=self.inflight):
+            yield to_sample(url, raw)
 
 
 def to_sample(url: str, raw: RawSample) -> Sample:

@@ -8,10 +8,10 @@ decoding (raw or pre-decoded arrays, or data decoded on the GPU).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import uuid
-from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,14 +22,12 @@ import zmq
 from . import partition
 from .device import host_buffer
 from .errors import remote_error
-from .protocol import Header, Op
-from .reader import MAX_REQUEST_SAMPLES, TARGET_REQUEST_BYTES, release, send_open
+from .protocol import Header
+from .reader import Span, pipelined_reads
 from .transport import Connection, resolve_endpoint
 from .urls import expand_all
 
 _MIN_BUFFER = 1 << 20
-# Shards whose open goes out before their reads are due.
-OPEN_AHEAD = 2
 
 
 @dataclass
@@ -65,16 +63,22 @@ class _Slot:
     """One ring entry: a growable host buffer per extension, and the copy that reads it."""
 
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    views: dict[str, np.ndarray[Any, np.dtype[np.uint8]]] = field(default_factory=dict)
     event: Any = None  # torch.cuda.Event of the last device copy out of these buffers
 
-    def buffer(self, ext: str, need: int, used: int) -> torch.Tensor:
-        buf = self.buffers.get(ext)
-        if buf is None or buf.numel() < need:
-            grown = host_buffer(max(_MIN_BUFFER, need * 5 // 4))
-            if buf is not None and used:
-                grown[:used].copy_(buf[:used])
-            self.buffers[ext] = buf = grown
-        return buf
+    def region(self, ext: str, at: int, size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """Bytes ``at..at+size`` of the buffer for ``ext`` (grown, keeping its contents, if
+        too small), as a numpy view for ``recv_into``: one view per buffer, sliced per
+        member (a torch slice and ``.numpy()`` per member cost more than the copy)."""
+        view = self.views.get(ext)
+        if view is None or view.shape[0] < at + size:
+            old = self.buffers.get(ext)
+            grown = host_buffer(max(_MIN_BUFFER, (at + size) * 5 // 4))
+            if old is not None and at:
+                grown[:at].copy_(old[:at])
+            self.buffers[ext] = grown
+            self.views[ext] = view = grown.numpy()
+        return view[at : at + size]
 
 
 class FastLoader:
@@ -143,84 +147,38 @@ class FastLoader:
         offsets: dict[str, list[int]] = {}
         used: dict[str, int] = {}
         slot = self._claim(slot_no)
-        for header, early in self._replies([self.urls[p.shard] for p in parts]):
-            for key, members in header["samples"]:
-                for ext, size in members:
-                    at = used.get(ext, 0)
-                    dst = slot.buffer(ext, at + size, at)[at : at + size].numpy()
-                    if early is None:
-                        got = self.conn.recv_into(dst)  # straight from the socket
-                    else:
-                        src = memoryview(next(early).buffer)
-                        got = len(src)
-                        dst[:got] = np.frombuffer(src, dtype=np.uint8)
-                    if got != size:
-                        raise ConnectionError(f"frame of {got} bytes, expected {size}")
-                    used[ext] = at + size
-                    offsets.setdefault(ext, [0] * (len(keys) + 1)).append(at + size)
-                keys.append(key)
-                for offs in offsets.values():
-                    if len(offs) < len(keys) + 1:  # sample without this member
-                        offs.append(offs[-1])
-                if len(keys) == self.batch_size:
-                    yield self._emit(slot, keys, offsets, used)
-                    slot_no += 1
-                    slot = self._claim(slot_no)
-                    keys, offsets, used = [], {}, {}
-        if keys and not self.drop_last:
-            yield self._emit(slot, keys, offsets, used)
-
-    def _replies(self, urls: list[str]) -> Iterator[tuple[Header, Iterator[zmq.Frame] | None]]:
-        """Read replies in order, ``inflight`` reads and ``OPEN_AHEAD`` opens outstanding.
-
-        Opens of the next shards go out early, so a shard boundary costs no round trip and
-        the daemon fetches a missing next shard while this one is read. An open's reply has
-        no payload, so stashing it while a read is awaited is free; a read is never
-        stashed because no one blocks on an open while reads are in flight."""
-        conn = self.conn
-        opens: deque[tuple[str, int]] = deque()
-        reads: deque[Header] = deque()
-        pending: deque[int] = deque()
-        unread = list(reversed(urls))
-        current: str | None = None  # the shard whose reads are being sent
-        try:
-            while True:
-                while unread and len(opens) < OPEN_AHEAD:
-                    url = unread.pop()
-                    opens.append((url, send_open(conn, url, self._stream)))
-                while not reads and opens and (not pending or conn.has_reply(opens[0][1])):
-                    url, rid = opens.popleft()
-                    header, _ = conn.wait(rid)
-                    reads.extend(self._reads(url, header))
-                    current = url
-                while reads and len(pending) < self.inflight:
-                    pending.append(conn.send(reads.popleft()))
-                if not pending:
-                    return
-                rid = pending.popleft()
-                yield self._reply(rid)
-        finally:
-            conn.forget(list(pending) + [rid for _, rid in opens])
-            # Release the pins of the shard being read (a no-op if it was read to its end)
-            # and of those opened ahead.
-            for held in [current, *(u for u, _ in opens)]:
-                if held is not None:
-                    release(conn, held, self._stream)
-
-    def _reads(self, url: str, opened: Header) -> Iterator[Header]:
-        n, payload = int(opened["samples"]), int(opened["payload"])
-        per = max(1, min(MAX_REQUEST_SAMPLES, TARGET_REQUEST_BYTES * n // max(1, payload)))
-        for start in range(0, n, per):
-            req: Header = {
-                "op": Op.READ,
-                "url": url,
-                "stream": self._stream,
-                "start": start,
-                "count": min(per, n - start),
-            }
-            if self.exts is not None:
-                req["exts"] = self.exts
-            yield req
+        spans = [Span(self.urls[p.shard]) for p in parts]
+        reads: Generator[tuple[str, int], None, None] = pipelined_reads(
+            self.conn, spans, self._stream, inflight=self.inflight, exts=self.exts
+        )
+        with contextlib.closing(reads):  # leaving early releases the reader's pins now
+            for _url, rid in reads:
+                header, early = self._reply(rid)
+                for key, members in header["samples"]:
+                    for ext, size in members:
+                        at = used.get(ext, 0)
+                        dst = slot.region(ext, at, size)
+                        if early is None:
+                            got = self.conn.recv_into(dst)  # straight from the socket
+                        else:
+                            src = memoryview(next(early).buffer)
+                            got = len(src)
+                            dst[:got] = np.frombuffer(src, dtype=np.uint8)
+                        if got != size:
+                            raise ConnectionError(f"frame of {got} bytes, expected {size}")
+                        used[ext] = at + size
+                        offsets.setdefault(ext, [0] * (len(keys) + 1)).append(at + size)
+                    keys.append(key)
+                    for offs in offsets.values():
+                        if len(offs) < len(keys) + 1:  # sample without this member
+                            offs.append(offs[-1])
+                    if len(keys) == self.batch_size:
+                        yield self._emit(slot, keys, offsets, used)
+                        slot_no += 1
+                        slot = self._claim(slot_no)
+                        keys, offsets, used = [], {}, {}
+            if keys and not self.drop_last:
+                yield self._emit(slot, keys, offsets, used)
 
     def _reply(self, rid: int) -> tuple[Header, Iterator[zmq.Frame] | None]:
         """The reply to ``rid``: its header and, if it came early (stashed while another

@@ -1,22 +1,43 @@
-"""Reading one shard from the daemon: open, then pipelined reads of sample ranges."""
+"""Reading shards from the daemon: opens sent ahead, then pipelined reads of sample ranges,
+across shard boundaries. Shared by ``CachedDataset`` and ``FastLoader``."""
 
 from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass
 
 import zmq
 
-from .protocol import Op
+from .protocol import Header, Op
 from .transport import Connection
 
 # One read request asks for about this many payload bytes: large enough to amortize the
 # round trip, small enough that a few in flight stay a bounded amount of memory.
 TARGET_REQUEST_BYTES = 4 << 20
 MAX_REQUEST_SAMPLES = 4096
+# At most this many shards opened (fetched, not pinned) ahead of the ones being read.
+MAX_OPEN_AHEAD = 8
 
 RawSample = tuple[str, list[tuple[str, zmq.Frame]]]
+
+
+@dataclass(frozen=True)
+class Span:
+    """Samples ``start..stop`` of the shard at ``url`` (``stop`` None: to its end)."""
+
+    url: str
+    start: int = 0
+    stop: int | None = None
+
+
+@dataclass(frozen=True)
+class _Read:
+    header: Header
+    url: str
+    last: bool  # the span's final read
+    partial: bool  # the span ends before the shard does (the daemon keeps the pin)
 
 
 def shard_length(conn: Connection, url: str, stream: str) -> int:
@@ -25,16 +46,101 @@ def shard_length(conn: Connection, url: str, stream: str) -> int:
     return int(header["samples"])
 
 
-def send_open(conn: Connection, url: str, stream: str) -> int:
-    """Send an open (the daemon fetches the shard on a miss and pins it); returns its id."""
-    return conn.send({"op": Op.OPEN, "url": url, "stream": stream})
-
-
 def release(conn: Connection, url: str, stream: str) -> None:
     """Release the stream's pin on a shard without waiting (best effort: a daemon that is
     gone lets the lease lapse on its own)."""
     with contextlib.suppress(Exception):
         conn.send({"op": Op.CLOSE, "url": url, "stream": stream}, reply=False)
+
+
+def _reads(span: Span, opened: Header, stream: str, exts: Sequence[str] | None) -> list[_Read]:
+    n = int(opened["samples"])
+    stop = n if span.stop is None else min(span.stop, n)
+    avg = max(1, int(opened["payload"]) // max(1, n))
+    per = max(1, min(MAX_REQUEST_SAMPLES, TARGET_REQUEST_BYTES // avg))
+    out = []
+    for start in range(span.start, stop, per):
+        header: Header = {
+            "op": Op.READ,
+            "url": span.url,
+            "stream": stream,
+            "start": start,
+            "count": min(per, stop - start),
+        }
+        if exts is not None:
+            header["exts"] = list(exts)
+        out.append(_Read(header, span.url, start + per >= stop, stop < n))
+    return out
+
+
+def pipelined_reads(
+    conn: Connection,
+    spans: Sequence[Span],
+    stream: str,
+    *,
+    inflight: int = 4,
+    exts: Sequence[str] | None = None,
+) -> Generator[tuple[str, int], None, None]:
+    """Send the reads of ``spans`` and yield ``(url, request id)`` in order; the caller
+    receives each reply (``conn.wait`` or its own ``recv_into``) before asking for the next.
+
+    Up to ``inflight`` reads are outstanding across shard boundaries (back-pressure: the
+    daemon never queues more for this reader). The next shards' opens go out early (while
+    fewer than ``inflight`` reads are queued, at most ``MAX_OPEN_AHEAD``), so a boundary
+    costs no round trip, small shards still fill the pipeline, and a missing next shard
+    downloads meanwhile. An open's reply has no payload, so receiving it while a read is
+    awaited costs nothing; nothing blocks on an open while reads are in flight. Only the
+    shards being read are pinned; leaving early releases them.
+    """
+    opens: deque[tuple[Span, int]] = deque()
+    reads: deque[_Read] = deque()
+    pending: deque[tuple[int, _Read]] = deque()
+    todo = deque(spans)
+    held: set[str] = set()  # being read (pinned by its reads), not yet to the end of the span
+    try:
+        while True:
+            while todo and len(opens) < MAX_OPEN_AHEAD and (not opens or len(reads) < inflight):
+                span = todo.popleft()
+                # Unpinned: a reader's pins are the shards it is reading, never the ones it
+                # looks ahead to, or a small hot tier could fill with pins and deadlock.
+                # The first read pins the shard (and fetches it again if it was evicted).
+                opened = {"op": Op.OPEN, "url": span.url, "stream": stream, "pin": False}
+                opens.append((span, conn.send(opened)))
+            while len(pending) < inflight:
+                if reads:
+                    read = reads.popleft()
+                    pending.append((conn.send(read.header), read))
+                elif opens and (not pending or conn.has_reply(opens[0][1])):
+                    span, rid = opens.popleft()
+                    header, _ = conn.wait(rid)
+                    reads.extend(_reads(span, header, stream, exts))
+                    held.add(span.url)
+                else:
+                    break
+            if not pending:
+                return
+            rid, read = pending.popleft()
+            yield read.url, rid
+            if read.last:
+                held.discard(read.url)
+                if read.partial:  # the daemon releases a pin only at the shard's end
+                    release(conn, read.url, stream)
+    finally:
+        conn.forget([rid for rid, _ in pending] + [rid for _, rid in opens])
+        for url in held:
+            release(conn, url, stream)
+
+
+def read_spans(
+    conn: Connection, spans: Sequence[Span], stream: str, *, inflight: int = 4
+) -> Iterator[tuple[str, RawSample]]:
+    """Yield ``(url, (key, [(ext, frame), ...]))`` for every sample of ``spans``, in order."""
+    for url, rid in pipelined_reads(conn, spans, stream, inflight=inflight):
+        reply, frames = conn.wait(rid)
+        i = 0
+        for key, members in reply["samples"]:
+            yield url, (key, [(ext, frames[i + j]) for j, (ext, _size) in enumerate(members)])
+            i += len(members)
 
 
 def read_shard(
@@ -45,46 +151,7 @@ def read_shard(
     start: int = 0,
     stop: int | None = None,
     inflight: int = 4,
-    opened: int | None = None,
 ) -> Iterator[RawSample]:
-    """Yield ``(key, [(ext, frame), ...])`` for samples ``start..stop`` of one shard, in order.
-
-    At most ``inflight`` read requests are outstanding (back-pressure: the daemon never
-    queues more for this reader). ``opened`` is the id of an open already sent with
-    :func:`send_open` (reading ahead across shards); None opens now. Leaving early
-    releases the shard's pin.
-    """
-    header, _ = conn.wait(send_open(conn, url, stream) if opened is None else opened)
-    n = int(header["samples"])
-    stop = n if stop is None else min(stop, n)
-    avg = max(1, int(header["payload"]) // max(1, n))
-    per_request = max(1, min(MAX_REQUEST_SAMPLES, TARGET_REQUEST_BYTES // avg))
-    queue: deque[int] = deque()
-    cursor = start
-    finished = False
-    try:
-        while queue or cursor < stop:
-            while len(queue) < inflight and cursor < stop:
-                count = min(per_request, stop - cursor)
-                queue.append(
-                    conn.send(
-                        {
-                            "op": Op.READ,
-                            "url": url,
-                            "stream": stream,
-                            "start": cursor,
-                            "count": count,
-                        }
-                    )
-                )
-                cursor += count
-            reply, frames = conn.wait(queue.popleft())
-            i = 0
-            for key, members in reply["samples"]:
-                yield key, [(ext, frames[i + j]) for j, (ext, _size) in enumerate(members)]
-                i += len(members)
-        finished = stop == n
-    finally:
-        conn.forget(list(queue))
-        if not finished:
-            release(conn, url, stream)
+    """Yield ``(key, [(ext, frame), ...])`` for samples ``start..stop`` of one shard."""
+    for _, raw in read_spans(conn, [Span(url, start, stop)], stream, inflight=inflight):
+        yield raw
