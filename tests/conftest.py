@@ -7,20 +7,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.daemon import isolate_env
 from tests.s3server import S3Server
 
 
 @pytest.fixture(autouse=True)
 def _clean_aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """A developer's own AWS config must not leak into the tests."""
-    for name in list(os.environ):
-        if name.startswith(("AWS_", "CACHED_")):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/dev/null")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
+    isolate_env(monkeypatch)
 
 
 @pytest.fixture(scope="session")

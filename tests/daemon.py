@@ -4,6 +4,7 @@ subprocess. Both listen on real ZeroMQ sockets in a temporary directory."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,9 +12,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from cached.config import Config, load
 from cached.daemon import Daemon
 from cached.local import DaemonProcess, make_tar, write_config
+
+
+def isolate_env(mp: pytest.MonkeyPatch) -> None:
+    """Drop the caller's ``AWS_*`` and ``CACHED_*`` variables; use test credentials only."""
+    for name in list(os.environ):
+        if name.startswith(("AWS_", "CACHED_")):
+            mp.delenv(name)
+    mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+    mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    mp.setenv("AWS_CONFIG_FILE", "/dev/null")
+    mp.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
 
 
 def daemon_config(tmp: Path, endpoint_url: str | None, **values: Any) -> Config:

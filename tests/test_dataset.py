@@ -27,7 +27,7 @@ from cached_client import CachedDataset, DaemonUnavailable, NotATar, ShardNotFou
 from torch.utils.data import DataLoader, get_worker_info
 from webdataset import tariterators
 
-from tests.daemon import ProcessDaemon, dataset_shards, make_tar, write_config
+from tests.daemon import ProcessDaemon, dataset_shards, isolate_env, make_tar, write_config
 from tests.s3server import S3Server
 
 # Uneven shards: 127 samples, which no reader count of 2..8 divides.
@@ -113,14 +113,7 @@ def node(s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Itera
     data = Data(bucket, urls, samples, url_of, keys)
     with pytest.MonkeyPatch.context() as mp:
         # Module scope runs before the autouse env fixture: give the daemon a clean env.
-        for name in list(os.environ):
-            if name.startswith(("AWS_", "CACHED_")):
-                mp.delenv(name)
-        mp.setenv("AWS_ACCESS_KEY_ID", "testing")
-        mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        mp.setenv("AWS_CONFIG_FILE", "/dev/null")
-        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
+        isolate_env(mp)
         daemon = start_daemon(tmp_path_factory.mktemp("node"), s3_server.endpoint_url)
     try:
         yield Node(daemon.socket, daemon, data)

@@ -74,7 +74,7 @@ def start_daemon(directory: Path, endpoint_url: str) -> ProcessDaemon:
 
 @pytest.fixture(scope="module")
 def cluster(s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    from tests.daemon import dataset_shards
+    from tests.daemon import dataset_shards, isolate_env
 
     bucket = s3_server.new_bucket("ddp")
     for i, body in enumerate(dataset_shards(len(COUNTS), COUNTS)):
@@ -83,14 +83,7 @@ def cluster(s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> It
     dirs = [tmp_path_factory.mktemp("nodeA"), tmp_path_factory.mktemp("nodeB")]
     with pytest.MonkeyPatch.context() as mp:
         # Module scope runs before the autouse env fixture: give the daemons a clean env.
-        for name in list(os.environ):
-            if name.startswith(("AWS_", "CACHED_")):
-                mp.delenv(name)
-        mp.setenv("AWS_ACCESS_KEY_ID", "testing")
-        mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        mp.setenv("AWS_CONFIG_FILE", "/dev/null")
-        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
+        isolate_env(mp)
         with ThreadPoolExecutor(2) as pool:  # both start at once: seconds each
             a, b = pool.map(lambda d: start_daemon(d, s3_server.endpoint_url), dirs)
     try:
