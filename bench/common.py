@@ -443,3 +443,41 @@ def write_json(name: str, doc: dict[str, Any], out_dir: Path = OUT_DIR) -> Path:
     path = out_dir / f"{name}-{stamp}.json"
     path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     return path
+
+
+# -- a run ------------------------------------------------------------------------------------
+
+
+def log(line: str) -> None:
+    """Print a line at once (benchmarks run for minutes; output must not sit in a buffer)."""
+    print(line, flush=True)
+
+
+def start_run(title: str) -> dict[str, Any]:
+    """Print the title, the machine and the command; returns the machine description."""
+    info = machine()
+    log(title)
+    log(machine_line(info))
+    log(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    return info
+
+
+def plan(args: Any) -> tuple[dict[int, int], int]:
+    """Samples per shard set (by sample size) and a hot tier capacity that holds them all."""
+    counts = {
+        size: samples_for(args.total, size, args.shards, args.max_samples)
+        for size in args.sample_sizes
+    }
+    tar_bytes = sum(tar_bytes_bound(args.shards, n, size) for size, n in counts.items())
+    return counts, tar_bytes * 5 // 4 + (256 << 20)
+
+
+def finish_run(name: str, doc: dict[str, Any], started: float, out_dir: Path) -> None:
+    """Record the elapsed time and load, write the JSON record and say where."""
+    doc["elapsed_s"] = time.perf_counter() - started
+    doc["loadavg_at_end"] = loadavg()
+    out = write_json(name, doc, out_dir)
+    log(
+        f"\nwrote {out} ({doc['elapsed_s']:.0f}s in all; load average at the end "
+        f"{' '.join(str(x) for x in doc['loadavg_at_end'])})"
+    )

@@ -232,14 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     common.exit_on_sigterm()
     started = time.perf_counter()
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-
-    info = common.machine()
-    log("cached serve benchmark")
-    log(common.machine_line(info))
-    log(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    log = common.log
+    info = common.start_run("cached serve benchmark")
     doc: dict[str, Any] = {
         "benchmark": "serve",
         "machine": info,
@@ -255,13 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "variants": [],
     }
-    counts = {
-        size: common.samples_for(args.total, size, args.shards, args.max_samples)
-        for size in args.sample_sizes
-    }
-    capacity = sum(
-        common.tar_bytes_bound(args.shards, n, size) for size, n in counts.items()
-    ) * 5 // 4 + (256 << 20)
+    counts, capacity = common.plan(args)
     with common.workdir("cached-bench-serve-", keep=args.keep) as work:
         # One daemon for every shard set, as on a node: its hot tier holds them all.
         socket = f"ipc://{work}/cached.sock"
@@ -271,13 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     daemon, work / f"shards-{size}", size=size, samples=n, args=args, log=log
                 )
                 doc["variants"].append(variant)
-    doc["elapsed_s"] = time.perf_counter() - started
-    doc["loadavg_at_end"] = common.loadavg()
-    out = common.write_json("serve", doc, args.out)
-    log(
-        f"\nwrote {out} ({doc['elapsed_s']:.0f}s in all; load average at the end "
-        f"{' '.join(str(x) for x in doc['loadavg_at_end'])})"
-    )
+    common.finish_run("serve", doc, started, args.out)
     return 0
 
 

@@ -108,21 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     common.exit_on_sigterm()
     started = time.perf_counter()
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-
-    info = common.machine()
-    log("cached transport benchmark: ipc:// vs tcp://127.0.0.1")
-    log(common.machine_line(info))
-    log(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
-    counts = {
-        size: common.samples_for(args.total, size, args.shards, args.max_samples)
-        for size in args.sample_sizes
-    }
-    capacity = sum(
-        common.tar_bytes_bound(args.shards, n, size) for size, n in counts.items()
-    ) * 5 // 4 + (256 << 20)
+    log = common.log
+    info = common.start_run("cached transport benchmark: ipc:// vs tcp://127.0.0.1")
+    counts, capacity = common.plan(args)
     doc: dict[str, Any] = {
         "benchmark": "transport",
         "machine": info,
@@ -188,13 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             for daemon in daemons.values():
                 daemon.stop()
-    doc["elapsed_s"] = time.perf_counter() - started
-    doc["loadavg_at_end"] = common.loadavg()
-    out = common.write_json("transport", doc, args.out)
-    log(
-        f"\nwrote {out} ({doc['elapsed_s']:.0f}s in all; load average at the end "
-        f"{' '.join(str(x) for x in doc['loadavg_at_end'])})"
-    )
+    common.finish_run("transport", doc, started, args.out)
     return 0
 
 
