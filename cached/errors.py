@@ -53,6 +53,18 @@ class NotATarError(CacheError, ValueError):
     code = ErrorCode.NOT_A_TAR
 
 
+class VersionMismatch(CachedError):
+    """A client speaks another protocol version."""
+
+    code = ErrorCode.VERSION
+
+
+class OutOfRange(CachedError, IndexError):
+    """A read past the last sample of a shard."""
+
+    code = ErrorCode.OUT_OF_RANGE
+
+
 class ProtocolError(CachedError, _WireProtocolError):
     """A client sent a malformed request."""
 

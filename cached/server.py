@@ -22,7 +22,7 @@ from cached_client.protocol import ProtocolError as WireProtocolError
 from cached_client.urls import parse
 
 from . import __version__
-from .errors import CachedError, ProtocolError
+from .errors import CachedError, OutOfRange, ProtocolError, VersionMismatch
 from .fetcher import DEMAND, PREFETCH, Fetcher, shard_id
 from .metrics import Metrics
 from .tiers.hot import HotTier, Shard
@@ -215,7 +215,7 @@ class Server:
         if op == Op.HELLO:
             version = header.get("v")
             if version != PROTOCOL_VERSION:
-                raise _VersionError(
+                raise VersionMismatch(
                     f"client speaks protocol v{version}, this daemon speaks "
                     f"v{PROTOCOL_VERSION}; upgrade cached-client or the daemon"
                 )
@@ -274,7 +274,7 @@ class Server:
         assert index is not None
         n = len(index.samples)
         if start > n:
-            raise _RangeError(f"{shard.url} has {n} samples; cannot read from sample {start}")
+            raise OutOfRange(f"{shard.url} has {n} samples; cannot read from sample {start}")
         stop = min(n, start + count)
         exts = header.get("exts")
         if exts is not None and not (
@@ -297,14 +297,6 @@ class Server:
         self.metrics.served_samples.inc(stop - start)
         self.metrics.served_bytes.inc(nbytes)
         return {"start": start, "next": stop, "end": stop == n, "samples": samples}, frames
-
-
-class _VersionError(CachedError):
-    code = ErrorCode.VERSION
-
-
-class _RangeError(CachedError):
-    code = ErrorCode.OUT_OF_RANGE
 
 
 async def _answers(ctx: zmq.asyncio.Context, endpoint: str) -> bool:

@@ -97,6 +97,26 @@ def thread_daemon(cfg: Config) -> Iterator[ThreadDaemon]:
         thread.join(30)
 
 
+def serve_config(directory: Path, endpoint_url: str) -> tuple[Path, str]:
+    """A ``cached serve`` config in ``directory``: its own ipc socket and hot tier, a free
+    HTTP port, small retry delays. Returns the config's path and the socket."""
+    socket = f"ipc://{directory}/cached.sock"
+    config = write_config(
+        directory / "config.toml",
+        {
+            "server": {"socket": socket, "http": "127.0.0.1:0"},
+            "cache": {"dir": str(directory / "hot"), "capacity": "1GiB", "min_free": "0"},
+            "s3": {
+                "endpoint_url": endpoint_url,
+                "retry_attempts": 3,
+                "retry_base_delay_s": 0.01,
+                "retry_max_delay_s": 0.05,
+            },
+        },
+    )
+    return config, socket
+
+
 # The tests' name for ``cached serve`` as a subprocess.
 ProcessDaemon = DaemonProcess
 
@@ -105,6 +125,7 @@ __all__ = [
     "daemon_config",
     "dataset_shards",
     "make_tar",
+    "serve_config",
     "thread_daemon",
     "write_config",
 ]

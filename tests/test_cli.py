@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon import ProcessDaemon, dataset_shards, write_config
+from tests.daemon import ProcessDaemon, dataset_shards, serve_config
 from tests.s3server import S3Server
 
 
@@ -29,16 +29,7 @@ def cached(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 def served(s3_server: S3Server, bucket: str, tmp_path: Path) -> Iterator[tuple[ProcessDaemon, str]]:
     for i, body in enumerate(dataset_shards(3, 10, payload=1000)):
         s3_server.put(bucket, f"p-{i}.tar", body)
-    socket = f"ipc://{tmp_path}/cached.sock"
-    config = write_config(
-        tmp_path / "config.toml",
-        {
-            "server": {"socket": socket, "http": "127.0.0.1:0"},
-            "cache": {"dir": str(tmp_path / "hot"), "capacity": "1GiB", "min_free": "0"},
-            "s3": {"endpoint_url": s3_server.endpoint_url},
-        },
-    )
-    daemon = ProcessDaemon(config, socket).start()
+    daemon = ProcessDaemon(*serve_config(tmp_path, s3_server.endpoint_url)).start()
     try:
         yield daemon, bucket
     finally:

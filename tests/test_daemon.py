@@ -16,13 +16,14 @@ from cached_client.protocol import ErrorCode, decode, encode
 from cached_client.reader import read_shard
 from cached_client.transport import Connection
 
+from cached.config import Config
 from tests.daemon import (
     ProcessDaemon,
     daemon_config,
     dataset_shards,
     make_tar,
+    serve_config,
     thread_daemon,
-    write_config,
 )
 from tests.s3server import S3Server
 
@@ -112,15 +113,24 @@ def test_capacity_is_never_exceeded_over_two_epochs(
     assert s3_server.count("GET", bucket) > 20
 
 
-def test_a_pinned_shard_is_not_evicted(s3_server: S3Server, bucket: str, tmp_path: Path) -> None:
-    shards = dataset_shards(4, 10, payload=20_000)
-    urls = upload(s3_server, bucket, shards)
-    capacity = int(max(len(s) for s in shards) * 2.5)
+def two_shard_tier(
+    s3: S3Server, bucket: str, tmp_path: Path, shards: int, pin_wait_s: float
+) -> tuple[list[str], Config]:
+    """``shards`` shards of 10 samples uploaded, and a daemon config whose hot tier holds
+    two of them (not three)."""
+    bodies = dataset_shards(shards, 10, payload=20_000)
+    urls = upload(s3, bucket, bodies)
+    capacity = int(max(len(b) for b in bodies) * 2.5)
     cfg = daemon_config(
         tmp_path,
-        s3_server.endpoint_url,
-        **{"cache.capacity": str(capacity), "cache.pin_wait_s": 0.5},
+        s3.endpoint_url,
+        **{"cache.capacity": str(capacity), "cache.pin_wait_s": pin_wait_s},
     )
+    return urls, cfg
+
+
+def test_a_pinned_shard_is_not_evicted(s3_server: S3Server, bucket: str, tmp_path: Path) -> None:
+    urls, cfg = two_shard_tier(s3_server, bucket, tmp_path, shards=4, pin_wait_s=0.5)
     with thread_daemon(cfg) as d:
         holder = Connection(d.socket)
         holder.request({"op": "open", "url": urls[0], "stream": "holder"})  # pins shard 0
@@ -137,14 +147,7 @@ def test_a_pinned_shard_is_not_evicted(s3_server: S3Server, bucket: str, tmp_pat
 def test_cache_full_when_every_shard_is_pinned(
     s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
-    shards = dataset_shards(3, 10, payload=20_000)
-    urls = upload(s3_server, bucket, shards)
-    capacity = int(max(len(s) for s in shards) * 2.5)
-    cfg = daemon_config(
-        tmp_path,
-        s3_server.endpoint_url,
-        **{"cache.capacity": str(capacity), "cache.pin_wait_s": 0.3},
-    )
+    urls, cfg = two_shard_tier(s3_server, bucket, tmp_path, shards=3, pin_wait_s=0.3)
     with thread_daemon(cfg) as d:
         conn = Connection(d.socket)
         conn.request({"op": "open", "url": urls[0], "stream": "a"})
@@ -241,15 +244,7 @@ def test_restart_serves_warm_cache_without_fetching(
 ) -> None:
     urls = upload(s3_server, bucket, dataset_shards(4, 20, payload=5000))
     hot = tmp_path / "hot"
-    socket = f"ipc://{tmp_path}/cached.sock"
-    config = write_config(
-        tmp_path / "config.toml",
-        {
-            "server": {"socket": socket, "http": "127.0.0.1:0"},
-            "cache": {"dir": str(hot), "capacity": "1GiB", "min_free": "0"},
-            "s3": {"endpoint_url": s3_server.endpoint_url},
-        },
-    )
+    config, socket = serve_config(tmp_path, s3_server.endpoint_url)
     daemon = ProcessDaemon(config, socket).start()
     try:
         first = [s["__key__"] for s in CachedDataset(urls, socket=socket)]
@@ -326,15 +321,7 @@ def test_client_resumes_at_the_next_sample_after_a_daemon_crash(
     urls = upload(s3_server, bucket, dataset_shards(3, 20, payload=2000))
     expected = [f"s{s:04d}-{i:05d}" for s in range(3) for i in range(20)]
     with FaultProxy.start(s3_server.endpoint_url) as proxy:
-        socket = f"ipc://{tmp_path}/cached.sock"
-        config = write_config(
-            tmp_path / "config.toml",
-            {
-                "server": {"socket": socket, "http": "127.0.0.1:0"},
-                "cache": {"dir": str(tmp_path / "hot"), "capacity": "1GiB", "min_free": "0"},
-                "s3": {"endpoint_url": proxy.endpoint_url},
-            },
-        )
+        config, socket = serve_config(tmp_path, proxy.endpoint_url)
         first = ProcessDaemon(config, socket).start()
         second = ProcessDaemon(config, socket)
         try:

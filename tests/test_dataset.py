@@ -27,7 +27,7 @@ from cached_client import CachedDataset, DaemonUnavailable, NotATar, ShardNotFou
 from torch.utils.data import DataLoader, get_worker_info
 from webdataset import tariterators
 
-from tests.daemon import ProcessDaemon, dataset_shards, isolate_env, make_tar, write_config
+from tests.daemon import ProcessDaemon, dataset_shards, isolate_env, make_tar, serve_config
 from tests.s3server import S3Server
 
 # Uneven shards: 127 samples, which no reader count of 2..8 divides.
@@ -79,21 +79,7 @@ def read_tar(body: bytes) -> list[tuple[str, dict[str, bytes]]]:
 
 def start_daemon(directory: Path, endpoint_url: str) -> ProcessDaemon:
     """``cached serve`` with its own socket, hot tier and a free HTTP port."""
-    socket = f"ipc://{directory}/cached.sock"
-    config = write_config(
-        directory / "config.toml",
-        {
-            "server": {"socket": socket, "http": "127.0.0.1:0"},
-            "cache": {"dir": str(directory / "hot"), "capacity": "1GiB", "min_free": "0"},
-            "s3": {
-                "endpoint_url": endpoint_url,
-                "retry_attempts": 3,
-                "retry_base_delay_s": 0.01,
-                "retry_max_delay_s": 0.05,
-            },
-        },
-    )
-    return ProcessDaemon(config, socket).start()
+    return ProcessDaemon(*serve_config(directory, endpoint_url)).start()
 
 
 @pytest.fixture(scope="module")

@@ -58,18 +58,9 @@ class Cluster:
 
 
 def start_daemon(directory: Path, endpoint_url: str) -> ProcessDaemon:
-    from tests.daemon import ProcessDaemon, write_config
+    from tests.daemon import ProcessDaemon, serve_config
 
-    socket = f"ipc://{directory}/cached.sock"
-    config = write_config(
-        directory / "config.toml",
-        {
-            "server": {"socket": socket, "http": "127.0.0.1:0"},
-            "cache": {"dir": str(directory / "hot"), "capacity": "1GiB", "min_free": "0"},
-            "s3": {"endpoint_url": endpoint_url, "retry_attempts": 3},
-        },
-    )
-    return ProcessDaemon(config, socket).start()
+    return ProcessDaemon(*serve_config(directory, endpoint_url)).start()
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from .protocol import ErrorCode
 
 
@@ -45,3 +48,9 @@ _BY_CODE: dict[str, type[RemoteError]] = {
 def remote_error(code: str, message: str) -> RemoteError:
     """The exception for an error reply."""
     return _BY_CODE.get(code, RemoteError)(message, code)
+
+
+def check_reply(header: Mapping[str, Any]) -> None:
+    """Raise the mapped exception if ``header`` is an error reply."""
+    if not header.get("ok"):
+        raise remote_error(str(header.get("code")), str(header.get("message")))

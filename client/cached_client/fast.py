@@ -21,7 +21,7 @@ import zmq
 
 from . import partition
 from .device import host_buffer
-from .errors import remote_error
+from .errors import check_reply
 from .protocol import Header
 from .reader import Span, pipelined_reads
 from .transport import Connection, resolve_endpoint
@@ -194,8 +194,7 @@ class FastLoader:
                     self.conn.stash(header, self.conn.recv_rest())
                     continue
                 self.conn.settle(rid)
-            if not header.get("ok"):
-                raise remote_error(str(header.get("code")), str(header.get("message")))
+            check_reply(header)
             return header, source
 
     def _claim(self, n: int) -> _Slot:

@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from .errors import DaemonUnavailable, remote_error
+from .errors import DaemonUnavailable, RemoteError, check_reply
 from .protocol import DEFAULT_SOCKET, PROTOCOL_VERSION, SOCKET_ENV, Header, Op, decode, encode
 
 log = logging.getLogger(__name__)
@@ -103,9 +103,11 @@ class Connection:
             self.close()
             raise self._unreachable()
         header, _ = self._recv_one()
-        if not header.get("ok"):
+        try:
+            check_reply(header)
+        except RemoteError:
             self.close()
-            raise remote_error(str(header.get("code")), str(header.get("message")))
+            raise
         self._instance = header.get("instance")
 
     def close(self) -> None:
@@ -151,8 +153,7 @@ class Connection:
     def wait(self, request_id: int) -> tuple[Header, list[zmq.Frame]]:
         """Wait for the reply to ``request_id``; raises the mapped error of an error reply."""
         header, frames = self._wait(request_id)
-        if not header.get("ok"):
-            raise remote_error(str(header.get("code")), str(header.get("message")))
+        check_reply(header)
         return header, frames
 
     def request(self, header: Header) -> tuple[Header, list[zmq.Frame]]:
@@ -160,8 +161,9 @@ class Connection:
         return self.wait(self.send(header))
 
     def _wait(self, request_id: int) -> tuple[Header, list[zmq.Frame]]:
-        if request_id in self._early:
-            return self._early.pop(request_id)
+        early = self.pop_early(request_id)
+        if early is not None:
+            return early
         deadline = time.monotonic() + self.request_timeout_s
         last_heard = time.monotonic()
         ping_id: int | None = None
@@ -265,11 +267,6 @@ class Connection:
         """Receive the next payload frame straight into ``buffer`` (a writable buffer)."""
         assert self._sock is not None
         return self._sock.recv_into(buffer)
-
-    def more(self) -> bool:
-        """Whether the message being received has more frames."""
-        assert self._sock is not None
-        return bool(self._sock.getsockopt(zmq.RCVMORE))
 
     def __del__(self) -> None:
         try:
