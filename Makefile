@@ -38,10 +38,12 @@ test: check
 bench: $(STAMP)
 	$(PY) bench/serve.py
 	$(PY) bench/transport.py
+	$(PY) bench/cache_sim.py
 
 bench-small: $(STAMP)
 	$(PY) bench/serve.py --small
 	$(PY) bench/transport.py --small
+	$(PY) bench/cache_sim.py --small
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .demo

@@ -88,7 +88,8 @@ class CacheConfig:
     capacity_bytes: int = _size("500GiB")
     # Keep at least this much free on the file system, whatever the capacity says.
     min_free_bytes: int = _size("1GiB")
-    policy: str = "lru"
+    # "belady": evict what the readers' plans need last; "lru": least recently used.
+    policy: str = "belady"
     # How long a fetch waits for readers to release pinned shards before CacheFull.
     pin_wait_s: float = 30.0
 
@@ -121,6 +122,35 @@ class PrefetchConfig:
 
 
 @dataclass(frozen=True)
+class ColdConfig:
+    """``[cold]``: the tier read when the warm tier misses (or holds an archived object).
+
+    A shard URL ``warm_prefix + rest`` is looked up at ``cold_prefix + rest`` when the
+    warm tier does not have it. ``warm_prefix = ""`` (the default) turns the cold tier
+    off. ``endpoint_url``/``region`` name the cold tier's S3 endpoint when it is not the
+    ``[s3]`` one (None: the ``[s3]`` client serves it too). ``promote`` writes a shard
+    served from the cold tier back to the warm tier, for the next node or job.
+    """
+
+    warm_prefix: str = ""
+    cold_prefix: str = ""
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    promote: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a cold tier is configured."""
+        return bool(self.warm_prefix)
+
+    def cold_url(self, url: str) -> str | None:
+        """The cold tier's URL for the warm ``url``, or None if the cold tier does not cover it."""
+        if not self.warm_prefix or not url.startswith(self.warm_prefix):
+            return None
+        return self.cold_prefix + url[len(self.warm_prefix) :]
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole daemon configuration."""
 
@@ -128,6 +158,7 @@ class Config:
     cache: CacheConfig = CacheConfig()
     s3: S3Config = S3Config()
     prefetch: PrefetchConfig = PrefetchConfig()
+    cold: ColdConfig = ColdConfig()
     source: str = "<defaults>"
 
 
@@ -136,6 +167,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "cache": CacheConfig,
     "s3": S3Config,
     "prefetch": PrefetchConfig,
+    "cold": ColdConfig,
 }
 # TOML and environment names drop the unit suffix of the dataclass field: `capacity = "1GiB"`.
 _ALIASES = {
@@ -144,7 +176,7 @@ _ALIASES = {
     "lookahead": "lookahead_bytes",
     "part_size": "part_size_bytes",
 }
-_POLICIES = ("lru",)
+_POLICIES = ("belady", "lru")  # cached.policy.POLICIES; kept here so config imports nothing
 
 
 def _field_name(section: str, key: str, where: str) -> dataclasses.Field[Any]:
@@ -217,6 +249,51 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"{where}: [s3] addressing_style must be path, virtual or auto")
     if cfg.cache.capacity_bytes <= 0:
         raise ConfigError(f"{where}: [cache] capacity must be positive")
+    _validate_cold(cfg.cold, where)
+
+
+def _validate_cold(cold: ColdConfig, where: str) -> None:
+    if bool(cold.warm_prefix) != bool(cold.cold_prefix):
+        missing = "cold_prefix" if cold.warm_prefix else "warm_prefix"
+        raise ConfigError(
+            f"{where}: [cold] {missing} is not set: set warm_prefix and cold_prefix together "
+            "(the warm URLs they cover, and where the same keys live in the cold tier), "
+            "or neither to turn the cold tier off"
+        )
+    if not cold.enabled:
+        if cold.promote:
+            raise ConfigError(
+                f"{where}: [cold] promote needs a cold tier: set warm_prefix and cold_prefix"
+            )
+        return
+    for key, prefix in (("warm_prefix", cold.warm_prefix), ("cold_prefix", cold.cold_prefix)):
+        # The prefixes are matched and joined as strings, so check the shape here: a
+        # mistake would otherwise surface only as "not found" on the first warm miss.
+        if not re.match(r"^(s3://[^/]+|file:///)", prefix):
+            raise ConfigError(
+                f"{where}: [cold] {key} must start with s3://BUCKET or file:///ABSOLUTE/PATH, "
+                f"not {prefix!r}"
+            )
+    if cold.warm_prefix.endswith("/") != cold.cold_prefix.endswith("/"):
+        raise ConfigError(
+            f"{where}: [cold] warm_prefix and cold_prefix must both end with '/' or neither "
+            f"({cold.warm_prefix!r} -> {cold.cold_prefix!r} would join keys wrongly)"
+        )
+    if cold.endpoint_url is not None and not cold.cold_prefix.startswith("s3://"):
+        raise ConfigError(
+            f"{where}: [cold] endpoint_url applies to an s3:// cold_prefix only, "
+            f"not {cold.cold_prefix!r}"
+        )
+    if cold.endpoint_url is None and cold.cold_prefix == cold.warm_prefix:
+        raise ConfigError(
+            f"{where}: [cold] cold_prefix is warm_prefix on the same endpoint: the cold tier "
+            "must be another bucket, prefix or endpoint_url"
+        )
+    if cold.promote and not cold.warm_prefix.startswith("s3://"):
+        raise ConfigError(
+            f"{where}: [cold] promote writes shards back to the warm S3 tier, so warm_prefix "
+            f"must be an s3:// prefix, not {cold.warm_prefix!r}"
+        )
 
 
 def load(
@@ -279,6 +356,7 @@ def load(
         cache=CacheConfig(**values["cache"]),
         s3=S3Config(**values["s3"]),
         prefetch=PrefetchConfig(**values["prefetch"]),
+        cold=ColdConfig(**values["cold"]),
         source=source,
     )
     _validate(cfg)

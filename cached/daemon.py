@@ -23,9 +23,11 @@ from .config import Config
 from .fetcher import Fetcher
 from .http import AdminHTTP
 from .metrics import Metrics
+from .planner import Planner
 from .policy import make_policy
+from .prefetcher import Prefetcher
 from .server import Server
-from .sources import Sources
+from .sources.chain import TierChain
 from .tiers.hot import HotTier, Shard
 
 log = logging.getLogger(__name__)
@@ -43,11 +45,12 @@ class Daemon:
         self.started = time.time()
         self._stack = contextlib.AsyncExitStack()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.planner = Planner(cfg.server.lease_timeout_s)
         self.hot = HotTier(
             cfg.cache.dir,
             cfg.cache.capacity_bytes,
             cfg.cache.min_free_bytes,
-            make_policy(cfg.cache.policy),
+            make_policy(cfg.cache.policy, self.planner),
             pin_wait_s=cfg.cache.pin_wait_s,
             on_evict=self._count_eviction,
         )
@@ -58,9 +61,26 @@ class Daemon:
             log.info("hot tier %s: %d complete shards reloaded", self.cfg.cache.dir, reloaded)
             m = self.metrics
             self.sources = await self._stack.enter_async_context(
-                Sources(self.cfg.s3, on_retry=lambda reason: m.retries.labels(reason).inc())
+                TierChain(
+                    self.cfg.s3,
+                    self.cfg.cold,
+                    on_retry=lambda reason: m.retries.labels(reason).inc(),
+                )
             )
-            self.fetcher = Fetcher(self.sources, self.hot, self.cfg.prefetch.concurrency, m)
+            self.fetcher = Fetcher(
+                self.sources,
+                self.hot,
+                self.cfg.prefetch.concurrency,
+                m,
+                next_use=self.planner.next_use,
+            )
+            self.prefetcher = Prefetcher(
+                self.planner,
+                self.fetcher,
+                m,
+                lookahead_bytes=self.cfg.prefetch.lookahead_bytes,
+                concurrency=self.cfg.prefetch.concurrency,
+            )
             self.server = await self._stack.enter_async_context(
                 Server(
                     self.cfg.server.socket,
@@ -70,6 +90,7 @@ class Daemon:
                     lease_timeout_s=self.cfg.server.lease_timeout_s,
                     max_read_samples=self.cfg.server.max_read_samples,
                     status=self.status,
+                    planner=self.planner,
                 )
             )
             self.http = await self._stack.enter_async_context(
@@ -80,6 +101,7 @@ class Daemon:
             raise
         self._spawn(self.server.serve(), "serve")
         self._spawn(self.server.expire_leases(), "leases")
+        self._spawn(self.prefetcher.run(), "prefetch")
         self._spawn(self._refresh_gauges(), "gauges")
         self.ready = True
         log.info(
@@ -100,6 +122,13 @@ class Daemon:
             _, pending = await asyncio.wait(self._tasks, timeout=DRAIN_TIMEOUT_S)
             if pending:
                 log.warning("%d background tasks did not stop in time", len(pending))
+        if hasattr(self, "fetcher"):
+            # A promotion half done is harmless (the next miss reads the cold tier), but
+            # one about to finish saves the next node that read: give it the drain time.
+            try:
+                await asyncio.wait_for(self.fetcher.drain(), DRAIN_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("promotions to the warm tier did not finish in time")
         await self._stack.aclose()
         log.info("cached stopped")
 
@@ -131,6 +160,14 @@ class Daemon:
                 "fetching_shards": hot.fetching,
                 "policy": self.cfg.cache.policy,
             },
+            "tiers": {
+                tier: {
+                    "fetches": _value(m.fetches, tier=tier, result="ok"),
+                    "fetched_bytes": _value(m.fetched_bytes, tier=tier),
+                }
+                for tier in ("warm", "cold")
+            }
+            | {"promotions": _value(m.promotions, result="ok")},
             "counters": {
                 "hits": _value(m.hits),
                 "misses": _value(m.misses),
@@ -141,11 +178,19 @@ class Daemon:
                 "retries": _value(m.retries),
             },
             "streams": self.server.leases.streams() if hasattr(self, "server") else 0,
+            "prefetch": {
+                "lookahead_bytes": self.cfg.prefetch.lookahead_bytes,
+                "lead_s": _finite(self.prefetcher.lead_s) if hasattr(self, "prefetcher") else None,
+                "prefetches": _value(m.prefetches),
+            },
+            "plans": self.planner.summary(),
         }
 
     def _count_eviction(self, shard: Shard) -> None:
         self.metrics.evictions.inc()
         self.metrics.evicted_bytes.inc(shard.reserved_bytes)
+        if hasattr(self, "prefetcher"):
+            self.prefetcher.wake()  # room for the window again
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -163,10 +208,20 @@ class Daemon:
             await asyncio.sleep(1.0)
 
 
-def _value(metric: Any) -> float:
-    """Sum of a counter over all its label sets."""
+def _finite(x: float) -> float | None:
+    """JSON has no infinity: None stands for "nothing planned is missing"."""
+    return None if x == float("inf") else round(x, 3)
+
+
+def _value(metric: Any, **labels: str) -> float:
+    """Sum of a counter over its label sets (those matching ``labels``)."""
     return float(
-        sum(s.value for fam in metric.collect() for s in fam.samples if s.name.endswith("_total"))
+        sum(
+            s.value
+            for fam in metric.collect()
+            for s in fam.samples
+            if s.name.endswith("_total") and labels.items() <= s.labels.items()
+        )
     )
 
 

@@ -29,6 +29,15 @@ class ObjectNotFound(FetchError, FileNotFoundError):
     code = ErrorCode.NOT_FOUND
 
 
+class ObjectArchived(ObjectNotFound):
+    """The object exists but sits in an archive storage class (S3 Glacier Flexible
+    Retrieval, Deep Archive, an Intelligent-Tiering archive tier) and is not restored,
+    so it cannot be read. A subclass of :class:`ObjectNotFound` because, to a reader,
+    it is a miss: the tier chain falls through to the cold tier, and a client sees
+    ``not_found`` with the message saying how to fix it.
+    """
+
+
 class FetchTimeout(FetchError, TimeoutError):
     """A fetch ran out of its time or retry budget."""
 

@@ -8,64 +8,118 @@ free download slot before any prefetch does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-import heapq
 import itertools
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
-
-from cached_client.urls import parse
 
 from .errors import CachedError, FetchError
 from .metrics import Metrics
 from .sources.base import ObjectInfo, Sink
-from .tiers.hot import HotTier, Shard
+from .tiers.hot import HotTier, NotAdmitted, Shard
 
 log = logging.getLogger(__name__)
 
 DEMAND = 0
 PREFETCH = 1
+# Not a download priority: a reader's open ahead of its position. It waits for the shard
+# to become resident (the prefetcher decides what to fetch ahead) and is fetched on demand
+# only if it is still missing after ``[cache] pin_wait_s``; the reader asks again as a
+# demand when it gets there first.
+AHEAD = 2
+# How often a reader's open ahead that the eviction policy did not admit asks again.
+ADMISSION_RETRY_S = 0.05
+# How often a reader's open ahead looks whether the prefetcher started on its shard.
+AHEAD_POLL_S = 0.25
+
+
+@dataclass
+class _Waiter:
+    priority: int
+    seq: int
+    key: str
+    fut: asyncio.Future[None]
 
 
 class PrioritySlots:
-    """A semaphore whose waiters are served by priority (lower first), then arrival."""
+    """A semaphore for downloads: demand misses first (in arrival order), then prefetches,
+    the most urgent first (``urgency(key)``: seconds until a reader needs it; arrival
+    order without it).
 
-    def __init__(self, slots: int) -> None:
+    ``keep`` slots are kept for ``DEMAND``: a prefetch gets a slot only while more than
+    ``keep`` are free, so however many prefetches queue, a demand miss (a reader waiting)
+    never waits for a download to finish before its own starts.
+    """
+
+    def __init__(
+        self, slots: int, keep: int = 0, urgency: Callable[[str], float] | None = None
+    ) -> None:
         self._free = slots
-        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._keep = min(keep, slots - 1)
+        self._urgency = urgency
+        self._waiters: list[_Waiter] = []  # short (a few per download slot): scanned
         self._seq = itertools.count()
 
-    async def acquire(self, priority: int) -> None:
-        """Wait for a slot."""
-        if self._free > 0 and not self._waiters:
-            self._free -= 1
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiters, (priority, next(self._seq), fut))
+    async def acquire(self, priority: int, key: str = "") -> None:
+        """Wait for a slot. ``key`` names the waiter for :meth:`promote` and ``urgency``."""
+        waiter = _Waiter(priority, next(self._seq), key, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        self._dispatch()
         try:
-            await fut
+            await waiter.fut
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
+            if waiter.fut.done() and not waiter.fut.cancelled():
                 self.release()  # the slot was handed over as we were cancelled
             raise
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    def promote(self, key: str, priority: int) -> None:
+        """Move waiter ``key`` up to ``priority`` (a prefetch that a reader now waits for)."""
+        for waiter in self._waiters:
+            if waiter.key == key and waiter.priority > priority:
+                waiter.priority = priority
+        self._dispatch()
 
     def release(self) -> None:
-        """Give a slot back, to the most urgent waiter if any."""
-        while self._waiters:
-            _, _, fut = heapq.heappop(self._waiters)
-            if not fut.done():
-                fut.set_result(None)
-                return
+        """Give a slot back, to the most urgent waiter that may have it."""
         self._free += 1
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self._free > 0:
+            waiting = [w for w in self._waiters if not w.fut.done()]
+            if not waiting:
+                return
+            demand = [w for w in waiting if w.priority == DEMAND]
+            if demand:
+                chosen = min(demand, key=lambda w: w.seq)
+            elif self._free > self._keep:
+                urgency = self._urgency
+                chosen = min(waiting, key=lambda w: (urgency(w.key) if urgency else 0.0, w.seq))
+            else:
+                return
+            self._waiters.remove(chosen)
+            self._free -= 1
+            chosen.fut.set_result(None)
 
 
 class SourceLike(Protocol):
-    """What the fetcher needs of the remote tiers (``cached.sources.Sources``)."""
+    """What the fetcher needs of the remote tiers (``cached.sources.chain.TierChain``)."""
 
     async def head(self, url: str) -> ObjectInfo: ...
 
     async def fetch(self, info: ObjectInfo, sink: Sink) -> None: ...
+
+    def promote_enabled(self, info: ObjectInfo) -> bool: ...
+
+    async def promote(self, info: ObjectInfo, path: Path) -> None: ...
 
 
 def shard_id(info: ObjectInfo) -> str:
@@ -78,15 +132,25 @@ class Fetcher:
     """Downloads shards into the hot tier, at most ``concurrency`` at once."""
 
     def __init__(
-        self, sources: SourceLike, hot: HotTier, concurrency: int, metrics: Metrics
+        self,
+        sources: SourceLike,
+        hot: HotTier,
+        concurrency: int,
+        metrics: Metrics,
+        *,
+        next_use: Callable[[str], float] | None = None,
     ) -> None:
         self.sources = sources
         self.hot = hot
         self.metrics = metrics
-        self._slots = PrioritySlots(concurrency)
+        # Queued prefetches go in order of need (``Planner.next_use`` of their URL).
+        self._urls: dict[str, str] = {}
+        urgency = None if next_use is None else (lambda sid: next_use(self._urls.get(sid, "")))
+        self._slots = PrioritySlots(concurrency, keep=1, urgency=urgency)
         self._infos: dict[str, ObjectInfo] = {}
         self._heads: dict[str, asyncio.Task[ObjectInfo]] = {}
         self._inflight: dict[str, asyncio.Task[Shard]] = {}
+        self._promotions: set[asyncio.Task[None]] = set()
 
     async def info(self, url: str) -> ObjectInfo:
         """The object's size and version, looked up once per URL per daemon lifetime."""
@@ -103,8 +167,8 @@ class Fetcher:
         return info
 
     def resident(self, info: ObjectInfo) -> Shard | None:
-        """The READY shard for this object, if the hot tier has it."""
-        return self.hot.get(shard_id(info))
+        """The READY shard for this object, if the hot tier has it (a look, not a use)."""
+        return self.hot.get(shard_id(info), access=False)
 
     async def ensure(self, url: str, priority: int = DEMAND) -> tuple[Shard, bool]:
         """The READY shard for ``url`` and whether it was already resident (a hit).
@@ -116,25 +180,95 @@ class Fetcher:
         shard = self.hot.get(sid)
         if shard is not None:
             return shard, True
+        if priority == AHEAD:
+            shard = await self._resident_soon(sid, self.hot.pin_wait_s)
+            if shard is not None:
+                return shard, False
+            priority = DEMAND
+        deadline = 0.0
         while True:
             task = self._inflight.get(sid)
-            if task is None:
-                task = asyncio.create_task(self._fetch(sid, info, priority), name=f"fetch {url}")
-                self._inflight[sid] = task
-                task.add_done_callback(lambda _t: self._inflight.pop(sid, None))
+            if task is None or task.done():  # done: its callback has not cleared it yet
+                task = self._start(sid, info, priority)
+            elif priority == DEMAND:
+                # A reader waits for a download queued as a prefetch: it goes first now.
+                self._slots.promote(sid, DEMAND)
             # Shield: one waiter giving up (a client gone) must not cancel the shared download.
-            shard = await asyncio.shield(task)
+            try:
+                shard = await asyncio.shield(task)
+            except NotAdmitted:
+                # The prefetch gave way to shards needed sooner. A reader's open ahead
+                # (PREFETCH) waits until the rule admits it, as readers move on; then, or
+                # after ``pin_wait_s``, or for a reader waiting now, it fetches on demand.
+                if priority == PREFETCH:
+                    deadline = deadline or time.monotonic() + self.hot.pin_wait_s
+                    if time.monotonic() < deadline:
+                        await asyncio.sleep(ADMISSION_RETRY_S)
+                        continue
+                priority = DEMAND
+                continue
             # Under pressure another download may have evicted it between its publication
             # and this waiter's turn; the caller pins what we return without awaiting.
             if self.hot.get(sid) is shard:
                 return shard, False
 
+    async def _resident_soon(self, sid: str, timeout_s: float) -> Shard | None:
+        """The shard once someone else brings it into the hot tier, or None after
+        ``timeout_s``. Starts no download."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            shard = self.hot.get(sid)
+            if shard is not None:
+                return shard
+            task = self._inflight.get(sid)
+            if task is not None and not task.done():
+                # Its failure (not admitted, not found) is for its own callers to see.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(task), left)
+            else:
+                await self.hot.changed(min(left, AHEAD_POLL_S))
+        return None
+
+    def fetching(self, info: ObjectInfo) -> bool:
+        """Whether the object is being fetched (or waits for a download slot)."""
+        return shard_id(info) in self._inflight
+
+    async def prefetch(self, info: ObjectInfo) -> bool:
+        """Fetch an object ahead of its readers, if the eviction policy admits it (it
+        would displace only shards needed later). Returns whether the shard is resident."""
+        sid = shard_id(info)
+        if self.hot.get(sid, access=False) is not None:
+            return True
+        task = self._inflight.get(sid)
+        if task is None or task.done():
+            task = self._start(sid, info, PREFETCH)
+        try:
+            await asyncio.shield(task)
+        except NotAdmitted:
+            return False
+        return True
+
+    def _start(self, sid: str, info: ObjectInfo, priority: int) -> asyncio.Task[Shard]:
+        task = asyncio.create_task(self._fetch(sid, info, priority), name=f"fetch {info.url}")
+        self._inflight[sid] = task
+        self._urls[sid] = info.url
+
+        def forget(done: asyncio.Task[Shard]) -> None:
+            if self._inflight.get(sid) is done:  # not a newer download of the same shard
+                del self._inflight[sid]
+                self._urls.pop(sid, None)
+
+        task.add_done_callback(forget)
+        return task
+
     async def _fetch(self, sid: str, info: ObjectInfo, priority: int) -> Shard:
-        scheme = parse(info.url).scheme
-        await self._slots.acquire(priority)
+        tier = info.tier
+        await self._slots.acquire(priority, sid)
         started = time.monotonic()
         try:
-            writer = await self.hot.reserve(sid, info.url, info.version, info.size)
+            writer = await self.hot.reserve(
+                sid, info.url, info.version, info.size, prefetch=priority == PREFETCH
+            )
             try:
                 await self.sources.fetch(info, writer.write)
                 shard = await writer.publish()
@@ -142,18 +276,51 @@ class Fetcher:
                 writer.abort()
                 raise
         except CachedError as exc:
-            self.metrics.fetches.labels(scheme, type(exc).__name__).inc()
+            self.metrics.fetches.labels(tier, type(exc).__name__).inc()
             # A shard that failed must be looked up again next time (it may be fixed).
             self._infos.pop(info.url, None)
             log.warning("fetch of %s failed: %s", info.url, exc)
             raise
         except OSError as exc:
-            self.metrics.fetches.labels(scheme, "OSError").inc()
+            self.metrics.fetches.labels(tier, "OSError").inc()
             raise FetchError(f"writing {info.url} to the hot tier failed: {exc}") from exc
         finally:
             self._slots.release()
-        self.metrics.fetches.labels(scheme, "ok").inc()
-        self.metrics.fetched_bytes.labels(scheme).inc(info.size)
+        self.metrics.fetches.labels(tier, "ok").inc()
+        self.metrics.fetched_bytes.labels(tier).inc(info.size)
         self.metrics.fetch_seconds.observe(time.monotonic() - started)
-        log.info("fetched %s (%d bytes) in %.2fs", info.url, info.size, time.monotonic() - started)
+        log.info(
+            "fetched %s from the %s tier (%d bytes) in %.2fs",
+            info.read_url,
+            tier,
+            info.size,
+            time.monotonic() - started,
+        )
+        if self.sources.promote_enabled(info):
+            self._promote(shard, info)
         return shard
+
+    def _promote(self, shard: Shard, info: ObjectInfo) -> None:
+        """Write a shard read from the cold tier back to the warm tier, in the background,
+        from the hot tier's verified copy (pinned meanwhile, so it stays on disk)."""
+        self.hot.pin(shard)
+
+        async def upload() -> None:
+            try:
+                await self.sources.promote(info, self.hot.path(shard))
+                self.metrics.promotions.labels("ok").inc()
+                log.info("promoted %s from %s to the warm tier", info.url, info.read_url)
+            except CachedError as exc:
+                self.metrics.promotions.labels("failed").inc()
+                log.warning("promotion of %s to the warm tier failed: %s", info.url, exc)
+            finally:
+                self.hot.unpin(shard)
+
+        task = asyncio.create_task(upload(), name=f"promote {info.url}")
+        self._promotions.add(task)
+        task.add_done_callback(self._promotions.discard)
+
+    async def drain(self) -> None:
+        """Wait for promotions under way (at shutdown, within the daemon's drain time)."""
+        if self._promotions:
+            await asyncio.gather(*self._promotions, return_exceptions=True)

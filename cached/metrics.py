@@ -21,10 +21,16 @@ class Metrics:
             "cached_misses_total", "Shard opens that had to wait for a fetch", ["kind"], registry=r
         )
         self.fetched_bytes = Counter(
-            "cached_fetched_bytes_total", "Bytes downloaded from remote tiers", ["tier"], registry=r
+            "cached_fetched_bytes_total",
+            "Bytes downloaded, by tier (warm, cold)",
+            ["tier"],
+            registry=r,
         )
         self.fetches = Counter(
-            "cached_fetches_total", "Completed shard fetches", ["tier", "result"], registry=r
+            "cached_fetches_total",
+            "Shard fetches by tier (warm, cold) and result",
+            ["tier", "result"],
+            registry=r,
         )
         self.fetch_seconds = Histogram(
             "cached_fetch_seconds",
@@ -65,4 +71,24 @@ class Metrics:
         self.fetching_shards = Gauge(
             "cached_fetching_shards", "Shards being downloaded", registry=r
         )
+        self.promotions = Counter(
+            "cached_promotions_total",
+            "Shards read from the cold tier and written back to the warm tier",
+            ["result"],
+            registry=r,
+        )
+        self.prefetches = Counter(
+            "cached_prefetches_total",
+            "Prefetches by result (ok, not_admitted: no room without evicting a shard "
+            "needed sooner, failed)",
+            ["result"],
+            registry=r,
+        )
+        self.prefetch_lead_seconds = Gauge(
+            "cached_prefetch_lead_seconds",
+            "Estimated seconds until a reader needs the first planned shard that is not "
+            "resident (how far prefetch is ahead; 1e9 when everything planned is resident)",
+            registry=r,
+        )
+        self.plans = Gauge("cached_plans", "Reader plans the daemon follows", registry=r)
         self.streams = Gauge("cached_streams", "Client streams with a live lease", registry=r)

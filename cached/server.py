@@ -23,8 +23,9 @@ from cached_client.urls import parse
 
 from . import __version__
 from .errors import CachedError, OutOfRange, ProtocolError, VersionMismatch
-from .fetcher import DEMAND, PREFETCH, Fetcher, shard_id
+from .fetcher import AHEAD, DEMAND, PREFETCH, Fetcher, shard_id
 from .metrics import Metrics
+from .planner import Planner
 from .tiers.hot import HotTier, Shard
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ MAX_ACTIVE_REQUESTS = 1024
 # Zero-copy costs a reference hand-off through pyzmq's garbage-collector thread per frame
 # (29% of the daemon's CPU at 100 KB frames); a copy of 1 MiB costs less (docs/decisions.md).
 COPY_THRESHOLD_BYTES = 1 << 20
+# An open's flags -> how the fetcher treats a miss.
+_PRIORITY = {"demand": DEMAND, "prefetch": PREFETCH, "ahead": AHEAD}
 
 
 class Leases:
@@ -104,13 +107,17 @@ class Server:
         *,
         lease_timeout_s: float = 120.0,
         max_read_samples: int = 4096,
+        max_plan_shards: int = 1_000_000,
         status: Callable[[], dict[str, Any]] | None = None,
+        planner: Planner | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.fetcher = fetcher
         self.hot = hot
         self.metrics = metrics
         self.leases = Leases(hot, lease_timeout_s)
+        self.planner = planner if planner is not None else Planner(lease_timeout_s)
+        self.max_plan_shards = max_plan_shards
         self.max_read_samples = max_read_samples
         self._status = status or (lambda: {})
         self._ctx = zmq.asyncio.Context()
@@ -170,6 +177,8 @@ class Server:
             await asyncio.sleep(max(0.05, self.leases.timeout_s / 4))
             if self.leases.expire():
                 log.info("released leases of streams that went quiet")
+            if self.planner.expire():
+                log.info("dropped the plans of streams that went quiet")
             self.metrics.streams.set(self.leases.streams())
 
     def _done(self, task: asyncio.Task[None]) -> None:
@@ -235,24 +244,49 @@ class Server:
             return {}, []
         if op == Op.STATUS:
             return {"status": self._status()}, []
+        if op == Op.PLAN:
+            self._plan(header)
+            return {}, []
         raise ProtocolError(f"unknown op {op!r}; expected one of {', '.join(Op)}")
 
     async def _shard(self, header: Header, *, count: bool) -> tuple[Shard, str]:
         """The shard a request names, fetched on a miss, and the stream's lease on it.
         Opens count as hits or misses; reads (which follow an open) do not."""
         url, stream = _url(header), _str(header, "stream")
-        prefetch = bool(header.get("prefetch", False))
+        kind = (
+            "ahead" if header.get("ahead") else "prefetch" if header.get("prefetch") else "demand"
+        )
         started = time.monotonic()
-        shard, hit = await self.fetcher.ensure(url, PREFETCH if prefetch else DEMAND)
+        shard, hit = await self.fetcher.ensure(url, _PRIORITY[kind])
         if count and hit:
             self.metrics.hits.inc()
         elif count:
-            self.metrics.misses.labels("prefetch" if prefetch else "demand").inc()
-            if not prefetch:
+            self.metrics.misses.labels(kind).inc()
+            if kind == "demand":
                 self.metrics.demand_wait_seconds.observe(time.monotonic() - started)
         if header.get("pin", True):
             self.leases.hold(stream, shard)
         return shard, stream
+
+    def _plan(self, header: Header) -> None:
+        key = _str(header, "plan")
+        urls = header.get("urls")
+        if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+            raise ProtocolError("request field 'urls' must be a list of strings")
+        if len(urls) > self.max_plan_shards:
+            raise ProtocolError(f"a plan may name at most {self.max_plan_shards} shards")
+        for url in set(urls):
+            parse(url)  # a bad URL fails the plan now, not a prefetch later
+        job = header.get("job", "")
+        self.planner.update(
+            key, urls, cursor=_int(header, "cursor") if "cursor" in header else 0, job=str(job)
+        )
+
+    def _advance(self, header: Header) -> None:
+        """Reads name the stream's plan and position: the cursor rides along for free."""
+        key = header.get("plan")
+        if isinstance(key, str) and key:
+            self.planner.advance(key, _int(header, "pos"))
 
     async def _open(self, header: Header) -> Header:
         shard, _ = await self._shard(header, count=True)
@@ -269,6 +303,7 @@ class Server:
         count = _int(header, "count", low=1)
         if count > self.max_read_samples:
             raise ProtocolError(f"count {count} exceeds the limit of {self.max_read_samples}")
+        self._advance(header)
         shard, stream = await self._shard(header, count=False)
         index = shard.index
         assert index is not None

@@ -16,6 +16,11 @@ fault is queued. Faults apply to the next matching requests, in the order queued
 - ``corrupt``: flip the byte at ``offset`` of the body (same length);
 - ``truncate``: drop the last ``drop_bytes`` of the body, with an honest Content-Length.
 
+``rate_bps`` shapes the link: response bodies share that many bytes per second, in
+64 KiB chunks served first come first served (a slow remote store, like ``tc tbf``).
+``latency_s`` delays every answer by that long (time to first byte; ``netem`` is not
+available here).
+
 The Host header is forwarded unchanged, so SigV4 signatures made for the proxy's address
 stay valid at a real S3-compatible upstream.
 """
@@ -48,6 +53,7 @@ _HOP_BY_HOP = frozenset(
         "server",
     }
 )
+_CHUNK = 64 << 10
 _KINDS = ("slowdown", "error", "cut", "stall", "delay", "corrupt", "truncate")
 _CODES = {500: "InternalError", 403: "AccessDenied", 404: "NoSuchKey", 412: "PreconditionFailed"}
 _S3_ERROR = (
@@ -94,6 +100,9 @@ class FaultProxy:
         self._faults: list[Fault] = []
         self.in_flight = 0
         self.max_in_flight = 0
+        self.rate_bps: float | None = None
+        self.latency_s = 0.0
+        self._link_free_at = 0.0
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -215,6 +224,8 @@ class FaultProxy:
             return _s3_error(fault.status, code, "Injected by faultproxy.")
         if fault is not None and fault.kind == "delay":
             await asyncio.sleep(fault.delay_s)
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
 
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
@@ -253,9 +264,22 @@ class FaultProxy:
             _drop(request, hard=fault.hard)
             return response
         if request.method != "HEAD":
-            await response.write(body)
+            await self._send(response, body)
         await response.write_eof()
         return response
+
+    async def _send(self, response: web.StreamResponse, body: bytes) -> None:
+        if not self.rate_bps:
+            await response.write(body)
+            return
+        loop = asyncio.get_running_loop()
+        for at in range(0, len(body), _CHUNK):
+            chunk = body[at : at + _CHUNK]
+            # The link is one queue: each chunk takes its turn at the shaped rate.
+            now = loop.time()
+            self._link_free_at = max(now, self._link_free_at) + len(chunk) / self.rate_bps
+            await asyncio.sleep(self._link_free_at - now)
+            await response.write(chunk)
 
 
 def _drop(request: web.Request, *, hard: bool) -> None:

@@ -1,4 +1,4 @@
-"""Least recently used: evict the shard whose last access is oldest."""
+"""Least recently used: evict the shard whose last access is oldest (for comparison)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from collections.abc import Iterator
 
 
 class LRUPolicy:
-    """LRU over shard ids (an ordered dict: oldest first)."""
+    """LRU over shard ids (an ordered dict: oldest first). Ignores the readers' plans."""
 
     def __init__(self) -> None:
         self._order: OrderedDict[str, None] = OrderedDict()
 
-    def on_insert(self, shard_id: str) -> None:
+    def on_insert(self, shard_id: str, url: str) -> None:
         self._order[shard_id] = None
         self._order.move_to_end(shard_id)
 
@@ -26,3 +26,7 @@ class LRUPolicy:
     def victims(self) -> Iterator[str]:
         # A copy: the caller removes entries while iterating.
         return iter(list(self._order))
+
+    def admits(self, url: str, victim: str) -> bool:
+        """LRU knows no future: a prefetch may displace any unpinned shard."""
+        return True

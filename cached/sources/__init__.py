@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import AsyncExitStack
-from types import TracebackType
 from typing import Any
 
 from cached_client.urls import parse
 
 from ..config import S3Config
 from ..errors import FetchError
-from .base import ObjectInfo, Sink, Source
+from .base import ObjectInfo, OwnsStack, Sink, Source
 from .file import FileSource
 from .retry import OnRetry
 from .s3 import S3Source
@@ -22,7 +21,7 @@ from .s3 import S3Source
 __all__ = ["FileSource", "ObjectInfo", "S3Source", "Sink", "Source", "Sources"]
 
 
-class Sources:
+class Sources(OwnsStack):
     """Every remote tier behind one ``head``/``fetch``, dispatching on the URL scheme.
 
     ``async with Sources(cfg.s3, on_retry=...) as sources:``. The S3 client is created
@@ -47,16 +46,8 @@ class Sources:
         self._by_scheme["file"] = await self._stack.enter_async_context(FileSource())
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        stack, self._stack = self._stack, None
+    def _closed(self) -> None:
         self._by_scheme.clear()
-        if stack is not None:
-            await stack.aclose()
 
     async def source_for(self, url: str) -> Source:
         """The tier that serves ``url``; raises :class:`FetchError` for a bad URL."""

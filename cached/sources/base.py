@@ -1,9 +1,11 @@
-"""The interface every remote tier implements (warm: S3/MinIO; file://; later cold tiers)."""
+"""The interface every remote tier implements (warm: S3/MinIO; file://; cold: either)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Protocol
 
 # Receives the object's bytes in order, exactly once each; may apply back-pressure by awaiting.
@@ -16,6 +18,12 @@ class ObjectInfo:
 
     ``version`` is the content identity used for the cache address: the ETag for S3,
     ``"<size>-<mtime_ns>"`` for files.
+
+    ``url`` is always the URL the client asked for: the hot tier and the clients address
+    shards by it, whichever tier served the bytes. ``tier`` names that tier (``"warm"``
+    or ``"cold"``) for metrics and status; ``source_url`` is where the bytes are read
+    from when that is not ``url`` (the cold tier's copy), and ``endpoint`` is then the
+    cold tier's endpoint, so the content address differs from the warm object's.
     """
 
     url: str
@@ -23,6 +31,13 @@ class ObjectInfo:
     size: int
     version: str
     etag: str | None = None
+    tier: str = "warm"
+    source_url: str | None = None
+
+    @property
+    def read_url(self) -> str:
+        """Where the bytes are read from: ``source_url`` if set, else ``url``."""
+        return self.source_url or self.url
 
 
 class Source(Protocol):
@@ -40,3 +55,24 @@ class Source(Protocol):
         ``ObjectNotFound`` when the object disappeared, ``FetchError`` otherwise.
         """
         ...
+
+
+class OwnsStack:
+    """An async context manager whose resources live on one :class:`AsyncExitStack`
+    (``self._stack``, set by the subclass's ``__aenter__``); leaving closes them all."""
+
+    _stack: AsyncExitStack | None = None
+
+    def _closed(self) -> None:
+        """Forget what the stack held (clients, sources); called as it closes."""
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stack, self._stack = self._stack, None
+        self._closed()
+        if stack is not None:
+            await stack.aclose()

@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-from types import TracebackType
 from typing import BinaryIO
 
 from cached_client.urls import parse
 
 from ..errors import FetchError, ObjectNotFound, VerifyError
-from .base import ObjectInfo, Sink
+from .base import ObjectInfo, OwnsStack, Sink
 
 ENDPOINT = "file://"
 _MIN_CHUNK = 1 << 20
@@ -45,7 +44,7 @@ def _version(st: os.stat_result) -> str:
     return f"{st.st_size}-{st.st_mtime_ns}"
 
 
-class FileSource:
+class FileSource(OwnsStack):
     """Reads ``file://`` URLs; implements :class:`~cached.sources.base.Source`.
 
     An async context manager for symmetry with :class:`~cached.sources.s3.S3Source`; it
@@ -62,14 +61,6 @@ class FileSource:
 
     async def __aenter__(self) -> FileSource:
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        return None
 
     async def head(self, url: str) -> ObjectInfo:
         """Stat the file. Raises :class:`ObjectNotFound` if it is missing."""

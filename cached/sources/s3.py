@@ -3,17 +3,22 @@
 Large objects download as parallel ranged GETs in a sliding window, small ones as one
 streamed GET; both hand the sink their bytes in order and verify size and, where the
 ETag allows, MD5. Every request runs under the bounded retries of :mod:`.retry`.
+Objects in an archive storage class that are not restored raise :class:`ObjectArchived`.
+:meth:`S3Source.put` uploads a local file (the cold tier's promotion to the warm tier).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
+import math
+import os
 import re
 from collections import deque
 from collections.abc import Awaitable, Callable
-from contextlib import AsyncExitStack
-from types import TracebackType
+from contextlib import AsyncExitStack, suppress
+from pathlib import Path
 from typing import Any, TypeVar
 
 from aiobotocore.config import AioConfig
@@ -22,11 +27,12 @@ from botocore import exceptions as boto_exc
 from cached_client.urls import ShardURL, parse
 
 from ..config import S3Config
-from ..errors import CachedError, FetchError, ObjectNotFound, VerifyError
-from .base import ObjectInfo, Sink
+from ..errors import CachedError, FetchError, ObjectArchived, ObjectNotFound, VerifyError
+from .base import ObjectInfo, OwnsStack, Sink
 from .retry import OnRetry, RetryPolicy, retrying
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # An ETag that is the object's MD5: single-part uploads (PUT, POST, copy) without SSE-KMS
 # or SSE-C. Multipart uploads get "<md5 of the part md5s>-<parts>", which cannot be
@@ -40,6 +46,15 @@ _HASH_IN_THREAD_BYTES = 1 << 20
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NoSuchBucket", "NotFound"})
 _DENIED_CODES = frozenset({"403", "AccessDenied", "Forbidden", "InvalidAccessKeyId"})
 _CHANGED_CODES = frozenset({"412", "PreconditionFailed"})
+# Storage classes whose objects must be restored before a GET works. GLACIER_IR (Instant
+# Retrieval) is not among them: it reads like STANDARD.
+_ARCHIVE_CLASSES = frozenset({"GLACIER", "DEEP_ARCHIVE"})
+# Intelligent-Tiering's opt-in archive tiers: StorageClass stays INTELLIGENT_TIERING.
+_ARCHIVE_STATUSES = frozenset({"ARCHIVE_ACCESS", "DEEP_ARCHIVE_ACCESS"})
+# S3's multipart limits: every part but the last at least 5 MiB, at most 10,000 parts.
+_MIN_UPLOAD_PART = 5 << 20
+_MAX_UPLOAD_PARTS = 10_000
+_MAX_PUT = 5 << 30  # the largest single PUT S3 accepts
 
 
 class _SinkFailed(Exception):
@@ -117,12 +132,43 @@ def _status_and_code(exc: boto_exc.ClientError) -> tuple[int, str, str]:
     return status, code, str(error.get("Message", ""))
 
 
+def _archived(url: str, storage_class: str, restore: str | None) -> ObjectArchived:
+    if restore is not None and 'ongoing-request="true"' in restore:
+        state = "a restore is in progress; wait for it to finish"
+    else:
+        state = "not restored; restore it (aws s3api restore-object)"
+    return ObjectArchived(
+        f"{url} is archived ({storage_class}) and {state}, or configure [cold] "
+        "to read it from a cold tier"
+    )
+
+
+def _archive_state(response: dict[str, Any]) -> str | None:
+    """The archive class of a HEAD response's object if it cannot be read now, else None.
+
+    A finished restore (``Restore: ongoing-request="false", expiry-date=...``) leaves a
+    readable copy while the object keeps its storage class, so it counts as readable.
+    """
+    storage = str(response.get("StorageClass") or "")
+    status = str(response.get("ArchiveStatus") or "")
+    if storage not in _ARCHIVE_CLASSES and status not in _ARCHIVE_STATUSES:
+        return None
+    restore = response.get("Restore")
+    if restore is not None and 'ongoing-request="false"' in str(restore):
+        return None
+    return status or storage
+
+
 def _translate(exc: Exception, url: str, endpoint: str) -> Exception:
     """Map a permanent botocore failure to the daemon's errors, saying what to do next."""
     if isinstance(exc, CachedError):
         return exc
     if isinstance(exc, boto_exc.ClientError):
         status, code, message = _status_and_code(exc)
+        if code == "InvalidObjectState":
+            # A GET of an archived object: S3 answers 403, which is not "access denied".
+            error: dict[str, Any] = (exc.response or {}).get("Error", {})
+            return _archived(url, str(error.get("StorageClass") or "archive"), None)
         if status == 404 or code in _NOT_FOUND_CODES:
             return ObjectNotFound(
                 f"{url}: not found at {endpoint} ({code or status}); "
@@ -172,7 +218,36 @@ async def _read(body: Any, amount: int) -> bytes:
     return data
 
 
-class S3Source:
+async def _request(method: Any, **params: Any) -> dict[str, Any]:
+    """Any other client call (the upload ones), with a typed result."""
+    response: dict[str, Any] = await method(**params)
+    return response
+
+
+def _exists_already(exc: BaseException) -> bool:
+    """Whether a conditional write (``If-None-Match: *``) failed because the key exists.
+
+    412: it exists. 409 ConditionalRequestConflict: another writer is completing the
+    same key right now; either way someone else's copy wins and ours is not needed.
+    """
+    if not isinstance(exc, boto_exc.ClientError):
+        return False
+    status, code, _ = _status_and_code(exc)
+    return status == 412 or code in _CHANGED_CODES or code == "ConditionalRequestConflict"
+
+
+def _read_exactly(fd: int, length: int, offset: int, path: Path) -> bytes:
+    """``length`` bytes of ``fd`` at ``offset``; VerifyError if the file is shorter."""
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise VerifyError(
+            f"{path}: expected {length} bytes at offset {offset}, read {len(data)}; "
+            "the file shrank while being uploaded"
+        )
+    return data
+
+
+class S3Source(OwnsStack):
     """Reads ``s3://bucket/key`` objects; implements :class:`~cached.sources.base.Source`.
 
     Use as ``async with S3Source(cfg) as src:``. It owns one aiobotocore client, hence
@@ -223,15 +298,8 @@ class S3Source:
             self._stack = stack.pop_all()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        stack, self._stack, self._client = self._stack, None, None
-        if stack is not None:
-            await stack.aclose()
+    def _closed(self) -> None:
+        self._client = None
 
     @property
     def endpoint(self) -> str:
@@ -267,6 +335,10 @@ class S3Source:
         response = await self._call(
             f"HEAD {url}", url, lambda: _head_object(client, loc.bucket, loc.key)
         )
+        archived = _archive_state(response)
+        if archived is not None:
+            restore = response.get("Restore")
+            raise _archived(url, archived, None if restore is None else str(restore))
         size = int(response["ContentLength"])
         etag = str(response.get("ETag", "")).strip('"') or None
         if etag is None:
@@ -295,6 +367,150 @@ class S3Source:
         else:
             await self._fetch_stream(info, sink, verifier)
         verifier.finish()
+
+    def upload_part_size(self, size: int) -> int:
+        """The part size :meth:`put` uses for a ``size``-byte multipart upload.
+
+        ``[s3] part_size``, raised to S3's 5 MiB minimum (every part but the last) and
+        to whatever keeps the upload within 10,000 parts.
+        """
+        return max(self._cfg.part_size_bytes, _MIN_UPLOAD_PART, math.ceil(size / _MAX_UPLOAD_PARTS))
+
+    async def put(self, url: str, path: Path, size: int, *, if_absent: bool = False) -> None:
+        """Upload the local file ``path``, which must hold ``size`` bytes, to ``url``.
+
+        A file of at most ``[s3] part_size`` goes up as one PUT; a larger one as a
+        multipart upload of :meth:`upload_part_size` parts, at most ``part_concurrency``
+        in flight (memory stays within that many parts). The file is read in worker
+        threads; every request runs under the retry budget, and a failed or cancelled
+        multipart upload is aborted so that its parts are not left behind (and billed).
+
+        ``if_absent`` makes the write conditional (``If-None-Match: *``): if the key
+        exists by the time the upload completes, it is left as it is and ``put`` returns
+        without error. That also makes a retried write safe when the first attempt did
+        land but its answer was lost.
+
+        Raises :class:`VerifyError` if the file is not ``size`` bytes, :class:`FetchError`
+        (or its subclasses, as for reads) when the store refuses or keeps failing.
+        """
+        client = self._require_client()
+        loc = _s3_location(url)
+        fd = await asyncio.to_thread(os.open, path, os.O_RDONLY)
+        try:
+            actual = (await asyncio.to_thread(os.fstat, fd)).st_size
+            if actual != size:
+                raise VerifyError(
+                    f"{path}: expected {size} bytes to upload to {url}, the file has "
+                    f"{actual}; it changed since it was written"
+                )
+            condition = {"IfNoneMatch": "*"} if if_absent else {}
+            if size <= min(self._cfg.part_size_bytes, _MAX_PUT):
+                data = await asyncio.to_thread(_read_exactly, fd, size, 0, path)
+
+                async def put_once() -> bool:
+                    try:
+                        await _request(
+                            client.put_object,
+                            Bucket=loc.bucket,
+                            Key=loc.key,
+                            Body=data,
+                            **condition,
+                        )
+                    except Exception as exc:
+                        if if_absent and _exists_already(exc):
+                            return False
+                        raise
+                    return True
+
+                written = await self._call(f"PUT {url}", url, put_once)
+            else:
+                written = await self._put_multipart(url, fd, path, size, condition=condition)
+        finally:
+            os.close(fd)
+        if not written:
+            log.info("%s already exists; not overwritten", url)
+
+    async def _put_multipart(
+        self, url: str, fd: int, path: Path, size: int, *, condition: dict[str, str]
+    ) -> bool:
+        """The multipart half of :meth:`put`; False if the key exists (``condition``)."""
+        client = self._require_client()
+        loc = _s3_location(url)
+        key = {"Bucket": loc.bucket, "Key": loc.key}
+        created = await self._call(
+            f"POST {url}?uploads",
+            url,
+            lambda: _request(client.create_multipart_upload, **key),
+        )
+        upload_id = str(created["UploadId"])
+        step = self.upload_part_size(size)
+        slots = asyncio.Semaphore(self._cfg.part_concurrency)
+
+        async def upload(number: int, offset: int) -> dict[str, Any]:
+            async with slots:  # the read is inside, so memory holds only the parts in flight
+                data = await asyncio.to_thread(
+                    _read_exactly, fd, min(step, size - offset), offset, path
+                )
+                response = await self._call(
+                    f"PUT {url} part {number}",
+                    url,
+                    lambda: _request(
+                        client.upload_part,
+                        **key,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        Body=data,
+                    ),
+                )
+            return {"PartNumber": number, "ETag": response["ETag"]}
+
+        async def complete(parts: list[dict[str, Any]]) -> bool:
+            try:
+                await _request(
+                    client.complete_multipart_upload,
+                    **key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                    **condition,
+                )
+            except Exception as exc:
+                if condition and _exists_already(exc):
+                    return False
+                raise
+            return True
+
+        completed = False
+        try:
+            tasks = [
+                asyncio.create_task(upload(n, offset))
+                for n, offset in enumerate(range(0, size, step), start=1)
+            ]
+            try:
+                parts = await asyncio.gather(*tasks)
+            finally:
+                # On any failure stop the parts still running before aborting the upload.
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            completed = await self._call(f"POST {url}?uploadId", url, lambda: complete(list(parts)))
+            return completed
+        finally:
+            if not completed:
+                # Also when the key already existed: a refused completion leaves the
+                # upload open. Shielded, so that a cancelled put still cleans up.
+                await asyncio.shield(self._abort(client, url, key, upload_id))
+
+    async def _abort(self, client: Any, url: str, key: dict[str, str], upload_id: str) -> None:
+        """Best effort: one attempt; a bucket lifecycle rule catches what this misses."""
+        with suppress(Exception):
+            await _request(client.abort_multipart_upload, **key, UploadId=upload_id)
+            return
+        log.warning(
+            "%s: could not abort multipart upload %s; its parts remain until a lifecycle "
+            "rule (AbortIncompleteMultipartUpload) removes them",
+            url,
+            upload_id,
+        )
 
     def _get_params(self, info: ObjectInfo, first: int | None, last: int) -> dict[str, str]:
         loc = _s3_location(info.url)

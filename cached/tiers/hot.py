@@ -20,6 +20,7 @@ fails with :class:`CacheFull` when they do not within the timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import logging
@@ -35,6 +36,10 @@ from ..policy import EvictionPolicy
 from .index import ShardIndex, TarIndexer
 
 log = logging.getLogger(__name__)
+
+
+class NotAdmitted(Exception):
+    """A prefetch would have to evict a shard needed sooner than the one it brings."""
 
 
 class ShardState(enum.Enum):
@@ -129,7 +134,7 @@ class HotTier:
             shard = Shard(shard_id, meta["url"], meta["version"], size, ShardState.READY, index)
             self._shards[shard_id] = shard
             self._used += size
-            self.policy.on_insert(shard_id)
+            self.policy.on_insert(shard_id, meta["url"])
         for tar in self.dir.glob("*.tar"):
             if tar.stem not in self._shards:
                 tar.unlink(missing_ok=True)
@@ -138,13 +143,19 @@ class HotTier:
 
     # -- lookup ----------------------------------------------------------------------------
 
-    def get(self, shard_id: str) -> Shard | None:
-        """The READY shard with this id, or None. Counts as an access for the policy."""
+    def get(self, shard_id: str, *, access: bool = True) -> Shard | None:
+        """The READY shard with this id, or None. Counts as an access for the policy
+        unless ``access`` is false (a look, not a use)."""
         shard = self._shards.get(shard_id)
         if shard is None or shard.state is not ShardState.READY:
             return None
-        self.policy.on_access(shard_id)
+        if access:
+            self.policy.on_access(shard_id)
         return shard
+
+    def path(self, shard: Shard) -> Path:
+        """The file of a READY shard (pin it while you use the path)."""
+        return self._tar(shard.shard_id)
 
     def view(self, shard: Shard) -> memoryview:
         """The bytes of a READY shard."""
@@ -160,6 +171,12 @@ class HotTier:
         if shard.pins == 0:
             self._notify()
 
+    async def changed(self, timeout_s: float) -> None:
+        """Wait until a shard is published, evicted or unpinned, or ``timeout_s`` passes."""
+        async with self._changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout_s)
+
     def stats(self) -> HotStats:
         """A snapshot for status and metrics."""
         shards = self._shards.values()
@@ -173,11 +190,17 @@ class HotTier:
 
     # -- writing -----------------------------------------------------------------------------
 
-    async def reserve(self, shard_id: str, url: str, version: str, size: int) -> ShardWriter:
+    async def reserve(
+        self, shard_id: str, url: str, version: str, size: int, *, prefetch: bool = False
+    ) -> ShardWriter:
         """Account room for a shard of ``size`` bytes, evicting others, and open its writer.
 
         Waits up to ``pin_wait_s`` for pinned or in-flight shards to make room; raises
         :class:`CacheFull` after that, or at once when the shard can never fit.
+
+        A ``prefetch`` never waits and evicts only what the policy admits (shards needed
+        later than this one); it raises :class:`NotAdmitted` without evicting anything
+        when that is not enough.
         """
         # The index sidecar is small; reserve a margin for it and settle the real size later.
         need = size + size // 16 + 65536
@@ -186,6 +209,13 @@ class HotTier:
                 f"{url} ({size} bytes) is larger than the hot tier's capacity "
                 f"({self.capacity_bytes} bytes); raise [cache] capacity"
             )
+        if prefetch:
+            victims = self._admitted_victims(url, need)
+            if victims is None:
+                raise NotAdmitted(url)
+            for victim in victims:
+                self._evict(victim)
+            return self._open_writer(shard_id, url, version, need)
         deadline = time.monotonic() + self.pin_wait_s
         async with self._changed:
             while not self._make_room(need):
@@ -202,18 +232,50 @@ class HotTier:
                     await asyncio.wait_for(self._changed.wait(), left)
                 except TimeoutError:
                     continue
-            shard = Shard(shard_id, url, version, need)
-            self._shards[shard_id] = shard
-            self._used += need
+            return self._open_writer(shard_id, url, version, need)
+
+    def _open_writer(self, shard_id: str, url: str, version: str, need: int) -> ShardWriter:
+        shard = Shard(shard_id, url, version, need)
+        self._shards[shard_id] = shard
+        self._used += need
         return ShardWriter(self, shard)
+
+    def _admitted_victims(self, url: str, need: int) -> list[Shard] | None:
+        """The shards to evict, in policy order, so ``need`` bytes fit without evicting
+        one the policy does not admit; None when that is not possible."""
+        short = self._used + need - self.capacity_bytes
+        chosen: list[Shard] = []
+        for shard_id in self.policy.victims():
+            if short <= 0 and not self._disk_short(need - sum(s.reserved_bytes for s in chosen)):
+                return chosen
+            shard = self._shards.get(shard_id)
+            if shard is None or shard.state is not ShardState.READY or shard.pins:
+                continue
+            if not self.policy.admits(url, shard_id):
+                # Victims come furthest-needed first: the rest are needed sooner still.
+                return None
+            chosen.append(shard)
+            short -= shard.reserved_bytes
+        if short <= 0 and not self._disk_short(need - sum(s.reserved_bytes for s in chosen)):
+            return chosen
+        return None
 
     def _make_room(self, need: int) -> bool:
         """Evict in policy order until ``need`` more bytes fit under the capacity and above
         the disk's free-space floor. False when only pinned or in-flight shards are left."""
-        while self._used + need > self.capacity_bytes or self._disk_short(need):
-            if not self._evict_one():
-                return False
-        return True
+        if not self._short(need):
+            return True
+        # One ranking for the whole pass: the policy's order does not change as we evict.
+        for shard_id in self.policy.victims():
+            shard = self._shards.get(shard_id)
+            if shard is not None and shard.state is ShardState.READY and shard.pins == 0:
+                self._evict(shard)
+                if not self._short(need):
+                    return True
+        return False
+
+    def _short(self, need: int) -> bool:
+        return self._used + need > self.capacity_bytes or self._disk_short(need)
 
     def _disk_short(self, need: int) -> bool:
         st = os.statvfs(self.dir)
@@ -223,15 +285,10 @@ class HotTier:
         )
         return st.f_bavail * st.f_frsize - pending - need < self.min_free_bytes
 
-    def _evict_one(self) -> bool:
-        for shard_id in self.policy.victims():
-            shard = self._shards.get(shard_id)
-            if shard is not None and shard.state is ShardState.READY and shard.pins == 0:
-                self._remove(shard)
-                if self._on_evict is not None:
-                    self._on_evict(shard)
-                return True
-        return False
+    def _evict(self, shard: Shard) -> None:
+        self._remove(shard)
+        if self._on_evict is not None:
+            self._on_evict(shard)
 
     def _remove(self, shard: Shard) -> None:
         self._shards.pop(shard.shard_id, None)
@@ -289,7 +346,7 @@ class ShardWriter:
         hot._used += actual - shard.reserved_bytes
         shard.reserved_bytes = actual
         shard.state = ShardState.READY
-        hot.policy.on_insert(shard.shard_id)
+        hot.policy.on_insert(shard.shard_id, shard.url)
         hot._notify()
         return shard
 

@@ -14,7 +14,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import partition
-from .reader import RawSample, Span, read_spans, shard_length
+from .reader import RawSample, Span, announce, read_spans, shard_length
 from .transport import Connection, resolve_endpoint
 from .urls import expand_all
 
@@ -82,6 +82,9 @@ class CachedDataset(IterableDataset[Any]):
         self._conn: Connection | None = None
         self._conn_pid = 0
         self._lengths: list[int] | None = None
+        # Names this dataset's plans at the daemon; the same in every worker and epoch, so
+        # an epoch's plan replaces the previous one (which announced it in advance).
+        self._job = uuid.uuid4().hex[:12]
 
     # -- epochs -----------------------------------------------------------------------------
 
@@ -165,7 +168,13 @@ class CachedDataset(IterableDataset[Any]):
     def _samples(self, parts: list[partition.Part]) -> Iterator[Sample]:
         spans = [Span(self.urls[p.shard], p.start, p.stop) for p in parts]
         conn, sid = self.connection(), self._stream_id()
-        for url, raw in read_spans(conn, spans, sid, inflight=self.inflight):
+        # The plan: this epoch's shards, then the next epoch's, so the daemon warms the hot
+        # tier across the epoch boundary and knows what not to evict.
+        stream, _ = self.stream_position()
+        ahead = [self.urls[p.shard] for p in self.parts(self.epoch + 1)]
+        key = f"{self._job}/r{self.rank}/s{stream}"
+        plan = key if announce(conn, key, [s.url for s in spans] + ahead, self._job) else None
+        for url, raw in read_spans(conn, spans, sid, inflight=self.inflight, plan=plan):
             yield to_sample(url, raw)
 
 

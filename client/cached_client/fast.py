@@ -23,7 +23,7 @@ from . import partition
 from .device import host_buffer
 from .errors import check_reply
 from .protocol import Header
-from .reader import Span, pipelined_reads
+from .reader import Span, announce, pipelined_reads
 from .transport import Connection, resolve_endpoint
 from .urls import expand_all
 
@@ -134,22 +134,34 @@ class FastLoader:
         """Select the epoch whose shard order the next iteration follows."""
         self.epoch = epoch
 
-    def __iter__(self) -> Iterator[Batch]:
-        self.conn.open()
+    def shard_urls(self, epoch: int) -> list[str]:
+        """The shards this rank reads in ``epoch``, in order."""
         order = partition.shard_order(
-            len(self.urls), shuffle=self.shuffle, seed=self.seed, epoch=self.epoch
+            len(self.urls), shuffle=self.shuffle, seed=self.seed, epoch=epoch
         )
         parts = partition.by_shard(order, self.rank, self.world_size)
         if self.shuffle:
-            random.Random(f"fast/{self.seed}/{self.epoch}").shuffle(parts)
+            random.Random(f"fast/{self.seed}/{epoch}").shuffle(parts)
+        return [self.urls[p.shard] for p in parts]
+
+    def __iter__(self) -> Iterator[Batch]:
+        self.conn.open()
+        urls = self.shard_urls(self.epoch)
+        # This epoch and the next: the daemon prefetches across the boundary.
+        plan_key = self._stream.split("/")[0]
+        plan = (
+            plan_key
+            if announce(self.conn, plan_key, urls + self.shard_urls(self.epoch + 1))
+            else None
+        )
         slot_no = 0
         keys: list[str] = []
         offsets: dict[str, list[int]] = {}
         used: dict[str, int] = {}
         slot = self._claim(slot_no)
-        spans = [Span(self.urls[p.shard]) for p in parts]
+        spans = [Span(url) for url in urls]
         reads: Generator[tuple[str, int], None, None] = pipelined_reads(
-            self.conn, spans, self._stream, inflight=self.inflight, exts=self.exts
+            self.conn, spans, self._stream, inflight=self.inflight, exts=self.exts, plan=plan
         )
         with contextlib.closing(reads):  # leaving early releases the reader's pins now
             for _url, rid in reads:

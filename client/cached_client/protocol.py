@@ -16,6 +16,9 @@ Requests (header fields):
   reconnects continues at the exact next sample.
 - ``{"op": "close", "id", "url", "stream"}`` -> ``{"id", "ok"}``: releases the stream's pin.
 - ``{"op": "status", "id"}`` -> ``{"id", "ok", "status": {...}}``.
+- ``{"op": "plan", "id", "plan", "urls", "cursor", "job"}`` -> ``{"id", "ok"}``: the
+  stream's future shard order (this epoch, then the next); ``read`` requests carry
+  ``plan`` and ``pos`` (the index in ``urls`` being read) to move its cursor.
 
 Errors: ``{"id", "ok": false, "code", "message"}`` with ``code`` from :class:`ErrorCode`.
 """
@@ -41,6 +44,7 @@ class Op(StrEnum):
     READ = "read"
     CLOSE = "close"
     STATUS = "status"
+    PLAN = "plan"
 
 
 class ErrorCode(StrEnum):

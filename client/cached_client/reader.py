@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from .protocol import Header, Op
+from .errors import RemoteError
+from .protocol import ErrorCode, Header, Op
 from .transport import Connection
 
 # One read request asks for about this many payload bytes: large enough to amortize the
@@ -53,7 +54,27 @@ def release(conn: Connection, url: str, stream: str) -> None:
         conn.send({"op": Op.CLOSE, "url": url, "stream": stream}, reply=False)
 
 
-def _reads(span: Span, opened: Header, stream: str, exts: Sequence[str] | None) -> list[_Read]:
+def announce(conn: Connection, plan: str, urls: Sequence[str], job: str = "") -> bool:
+    """Tell the daemon the shards this reader will read, in order (the rest of this epoch,
+    then the next), so it prefetches ahead and evicts what is needed last. Reads then move
+    the cursor (``pipelined_reads(plan=...)``). Returns False when the daemon does not know
+    plans (an older daemon): reading works the same, without the lookahead."""
+    try:
+        conn.request({"op": Op.PLAN, "plan": plan, "urls": list(urls), "cursor": 0, "job": job})
+    except RemoteError as exc:
+        if exc.code != ErrorCode.BAD_REQUEST or "unknown op" not in str(exc):
+            raise
+        return False
+    return True
+
+
+def _reads(
+    span: Span,
+    opened: Header,
+    stream: str,
+    exts: Sequence[str] | None,
+    plan: tuple[str, int] | None,
+) -> list[_Read]:
     n = int(opened["samples"])
     stop = n if span.stop is None else min(span.stop, n)
     avg = max(1, int(opened["payload"]) // max(1, n))
@@ -69,8 +90,25 @@ def _reads(span: Span, opened: Header, stream: str, exts: Sequence[str] | None) 
         }
         if exts is not None:
             header["exts"] = list(exts)
+        if plan is not None:
+            header["plan"], header["pos"] = plan
         out.append(_Read(header, span.url, start + per >= stop, stop < n))
     return out
+
+
+def _next_is_demand(
+    conn: Connection, opens: deque[tuple[int, Span, int, bool]], stream: str
+) -> None:
+    """The first open waiting in line is the next shard the reader needs: if it went out
+    as an open ahead and the shard is not there yet, ask again as a demand (the daemon
+    would otherwise leave it to its prefetcher, and the reader would wait for it)."""
+    if not opens:
+        return
+    pos, span, rid, ahead = opens[0]
+    if ahead and not conn.has_reply(rid):
+        conn.forget([rid])
+        opened = {"op": Op.OPEN, "url": span.url, "stream": stream, "pin": False}
+        opens[0] = (pos, span, conn.send(opened), False)
 
 
 def pipelined_reads(
@@ -80,6 +118,7 @@ def pipelined_reads(
     *,
     inflight: int = 4,
     exts: Sequence[str] | None = None,
+    plan: str | None = None,
 ) -> Generator[tuple[str, int], None, None]:
     """Send the reads of ``spans`` and yield ``(url, request id)`` in order; the caller
     receives each reply (``conn.wait`` or its own ``recv_into``) before asking for the next.
@@ -91,29 +130,38 @@ def pipelined_reads(
     downloads meanwhile. An open's reply has no payload, so receiving it while a read is
     awaited costs nothing; nothing blocks on an open while reads are in flight. Only the
     shards being read are pinned; leaving early releases them.
+
+    ``plan`` names the plan announced for ``spans`` (:func:`announce`): every read carries
+    it and the span's position, which is how the daemon follows this reader's progress.
     """
-    opens: deque[tuple[Span, int]] = deque()
+    opens: deque[tuple[int, Span, int, bool]] = deque()
     reads: deque[_Read] = deque()
     pending: deque[tuple[int, _Read]] = deque()
-    todo = deque(spans)
+    todo = deque(enumerate(spans))
     held: set[str] = set()  # being read (pinned by its reads), not yet to the end of the span
     try:
         while True:
             while todo and len(opens) < MAX_OPEN_AHEAD and (not opens or len(reads) < inflight):
-                span = todo.popleft()
+                pos, span = todo.popleft()
                 # Unpinned: a reader's pins are the shards it is reading, never the ones it
                 # looks ahead to, or a small hot tier could fill with pins and deadlock.
                 # The first read pins the shard (and fetches it again if it was evicted).
                 opened = {"op": Op.OPEN, "url": span.url, "stream": stream, "pin": False}
-                opens.append((span, conn.send(opened)))
+                if opens:
+                    # Beyond the next shard: the daemon answers once the shard is resident
+                    # but leaves fetching ahead to its prefetcher (lookahead, admission).
+                    opened["ahead"] = True
+                opens.append((pos, span, conn.send(opened), bool(opens)))
             while len(pending) < inflight:
                 if reads:
                     read = reads.popleft()
                     pending.append((conn.send(read.header), read))
-                elif opens and (not pending or conn.has_reply(opens[0][1])):
-                    span, rid = opens.popleft()
+                elif opens and (not pending or conn.has_reply(opens[0][2])):
+                    pos, span, rid, _ = opens.popleft()
+                    _next_is_demand(conn, opens, stream)
                     header, _ = conn.wait(rid)
-                    reads.extend(_reads(span, header, stream, exts))
+                    where = None if plan is None else (plan, pos)
+                    reads.extend(_reads(span, header, stream, exts, where))
                     held.add(span.url)
                 else:
                     break
@@ -126,16 +174,21 @@ def pipelined_reads(
                 if read.partial:  # the daemon releases a pin only at the shard's end
                     release(conn, read.url, stream)
     finally:
-        conn.forget([rid for rid, _ in pending] + [rid for _, rid in opens])
+        conn.forget([rid for rid, _ in pending] + [rid for _, _, rid, _ in opens])
         for url in held:
             release(conn, url, stream)
 
 
 def read_spans(
-    conn: Connection, spans: Sequence[Span], stream: str, *, inflight: int = 4
+    conn: Connection,
+    spans: Sequence[Span],
+    stream: str,
+    *,
+    inflight: int = 4,
+    plan: str | None = None,
 ) -> Iterator[tuple[str, RawSample]]:
     """Yield ``(url, (key, [(ext, frame), ...]))`` for every sample of ``spans``, in order."""
-    for url, rid in pipelined_reads(conn, spans, stream, inflight=inflight):
+    for url, rid in pipelined_reads(conn, spans, stream, inflight=inflight, plan=plan):
         reply, frames = conn.wait(rid)
         i = 0
         for key, members in reply["samples"]:

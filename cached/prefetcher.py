@@ -1,0 +1,141 @@
+"""Prefetch: fetch the shards the readers' plans need soonest, ahead of the readers.
+
+The prefetcher walks :meth:`Planner.upcoming` (every planned shard, soonest need first,
+across all streams, each stream's distance scaled by its read rate) and counts the bytes
+of the shards it passes, resident or not, until ``[prefetch] lookahead`` is reached; every
+shard in that window that is not resident is fetched at prefetch priority. The eviction
+policy admits a prefetch only if it displaces shards needed later than the one it brings
+(:meth:`HotTier.reserve`), so prefetch cannot thrash the hot tier.
+
+Fairness: prefetches take at most ``concurrency - 1`` download slots (the fetcher keeps
+one for demand misses, which are also served first from the queue), so a job's lookahead
+never makes another job's reader wait for a download to finish; the window is one for the
+whole daemon, ordered by time of need, so a fast job gets more of it only because it needs
+more sooner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import time
+from collections.abc import Iterator
+
+from .errors import CachedError
+from .fetcher import Fetcher
+from .metrics import Metrics
+from .planner import Planner
+from .sources.base import ObjectInfo
+
+log = logging.getLogger(__name__)
+
+# Look again at least this often: read rates change the order even when plans do not.
+RESCAN_S = 1.0
+# A shard whose prefetch failed is not tried again for this long (its readers will ask on
+# demand, and get the error).
+RETRY_AFTER_S = 30.0
+# Sizes of the window's shards are looked up this many at a time.
+HEAD_BATCH = 16
+
+
+class Prefetcher:
+    """Keeps the lookahead window of every plan resident. Run :meth:`run` as a task."""
+
+    def __init__(
+        self,
+        planner: Planner,
+        fetcher: Fetcher,
+        metrics: Metrics,
+        *,
+        lookahead_bytes: int,
+        concurrency: int,
+    ) -> None:
+        self.planner = planner
+        self.fetcher = fetcher
+        self.metrics = metrics
+        self.lookahead_bytes = lookahead_bytes
+        # Leave a slot for demand misses whenever there is more than one.
+        self.limit = max(1, concurrency - 1)
+        self._active: dict[str, asyncio.Task[None]] = {}
+        self._failed: dict[str, float] = {}
+        self._wake = asyncio.Event()
+        # Seconds until the first planned shard that is not resident is needed.
+        self.lead_s = math.inf
+        planner.on_change(self._wake.set)
+
+    def wake(self) -> None:
+        """Look at the plans again soon (a fetch finished, a shard left the hot tier)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Fill the window whenever something changes, until cancelled."""
+        try:
+            while True:
+                self._wake.clear()
+                try:
+                    await self.fill()
+                except CachedError as exc:  # a HEAD failed: its readers will see it on demand
+                    log.debug("prefetch scan stopped: %s", exc)
+                self.metrics.prefetch_lead_seconds.set(min(self.lead_s, 1e9))
+                self.metrics.plans.set(len(self.planner.plans()))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), RESCAN_S)
+        finally:
+            for task in self._active.values():
+                task.cancel()
+
+    async def fill(self) -> None:
+        """One pass over the window: start the prefetches it needs, up to the slot limit."""
+        budget = self.lookahead_bytes
+        lead = math.inf
+        now = time.monotonic()
+        self._failed = {url: until for url, until in self._failed.items() if until > now}
+        for when, url, info in await self._looked_up(self.planner.upcoming()):
+            if budget <= 0:
+                break
+            budget -= info.size
+            if self.fetcher.resident(info) is not None:
+                continue
+            lead = min(lead, when)
+            if self.fetcher.fetching(info) or self._failed.get(url, 0.0) > now:
+                continue
+            if len(self._active) >= self.limit:
+                break
+            self._active[url] = asyncio.create_task(self._prefetch(info), name=f"prefetch {url}")
+        self.lead_s = lead
+
+    async def _looked_up(
+        self, upcoming: Iterator[tuple[float, str]]
+    ) -> list[tuple[float, str, ObjectInfo]]:
+        """The window's shards with their sizes: HEADs (once per URL) in batches, not one
+        round trip after another, until the lookahead budget is covered."""
+        out: list[tuple[float, str, ObjectInfo]] = []
+        budget = self.lookahead_bytes
+        while budget > 0:
+            batch = list(itertools.islice(upcoming, HEAD_BATCH))
+            if not batch:
+                break
+            infos = await asyncio.gather(*(self.fetcher.info(url) for _, url in batch))
+            for (when, url), info in zip(batch, infos, strict=True):
+                out.append((when, url, info))
+                budget -= info.size
+        return out
+
+    async def _prefetch(self, info: ObjectInfo) -> None:
+        try:
+            resident = await self.fetcher.prefetch(info)
+            self.metrics.prefetches.labels("ok" if resident else "not_admitted").inc()
+            if not resident:
+                # Not admitted: nothing resident may give way to it yet. Readers' progress
+                # changes that; until then do not ask again at every scan.
+                self._failed[info.url] = time.monotonic() + RESCAN_S
+        except CachedError as exc:
+            self.metrics.prefetches.labels("failed").inc()
+            self._failed[info.url] = time.monotonic() + RETRY_AFTER_S
+            log.warning("prefetch of %s failed: %s", info.url, exc)
+        finally:
+            self._active.pop(info.url, None)
+            self._wake.set()

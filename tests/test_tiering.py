@@ -1,0 +1,354 @@
+"""Clairvoyant tiering end to end: plans, prefetch, Belady eviction, sharing between jobs.
+
+Real parts only: the moto S3 server (requests counted at the server), a real daemon, real
+ZeroMQ, and for the slow store a real TCP proxy that shapes the link's rate.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cached_client import CachedDataset
+from cached_client.device import StallMeter
+from cached_client.errors import RemoteError
+from cached_client.partition import shard_order
+from cached_client.transport import Connection
+from torch.utils.data import DataLoader
+
+from bench.cache_sim import offline_min
+from tests.daemon import (
+    ProcessDaemon,
+    daemon_config,
+    dataset_shards,
+    serve_config,
+    thread_daemon,
+)
+from tests.faultproxy import FaultProxy
+from tests.s3server import S3Server
+from tests.test_daemon import DirWatcher, upload
+
+
+def keys(ds: CachedDataset) -> list[str]:
+    return [s["__key__"] for s in ds]
+
+
+def read_together(jobs: list[CachedDataset]) -> list[list[str]]:
+    """Iterate the datasets at the same time, one thread each (jobs sharing a daemon)."""
+    got: list[list[str]] = [[] for _ in jobs]
+
+    def run(i: int) -> None:
+        got[i] = keys(jobs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return got
+
+
+def settle(status: Any, timeout_s: float = 20.0) -> dict[str, Any]:
+    """Wait until the daemon has nothing in flight; returns its status."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st: dict[str, Any] = status()
+        if st["hot"]["fetching_shards"] == 0 or time.monotonic() > deadline:
+            return st
+        time.sleep(0.05)
+
+
+def test_a_dataset_that_fits_makes_no_get_after_the_first_epoch(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    urls = upload(s3_server, bucket, dataset_shards(12, 20, payload=3000))
+    config, socket = serve_config(tmp_path, s3_server.endpoint_url)
+    with ProcessDaemon(config, socket) as daemon:
+        ds = CachedDataset(urls, socket=socket, shuffle=True, seed=3)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, timeout=60)
+        ds.set_epoch(0)
+        assert len(list(loader)) == 12 * 20
+        settle(daemon.status)
+        gets = s3_server.count("GET", bucket)
+        assert gets >= 12
+        for epoch in (1, 2):
+            ds.set_epoch(epoch)
+            assert len(list(loader)) == 12 * 20
+        # Counted at the S3 server: not one GET since the first epoch.
+        assert s3_server.count("GET", bucket) == gets
+        st = daemon.status()
+    # Each worker announced its plan (this epoch, then the next).
+    assert len(st["plans"]) == 2
+    assert all(p["shards"] == 12 for p in st["plans"])  # 6 this epoch + 6 the next
+
+
+def equal_shards(s3: S3Server, bucket: str, n: int) -> tuple[list[str], int]:
+    """``n`` shards of identical size; returns their URLs and that size."""
+    bodies = dataset_shards(n, 8, payload=10_000)
+    assert len({len(b) for b in bodies}) == 1
+    return upload(s3, bucket, bodies), len(bodies[0])
+
+
+def capacity_for(shards: int, size: int) -> int:
+    """A hot tier that holds ``shards`` shards of ``size`` bytes (one of them being
+    fetched), and not one more: a reservation is the size plus a margin for the index
+    (see ``HotTier.reserve``), a resident shard its size plus its index (< 8 KiB here)."""
+    need = size + size // 16 + 65536
+    return (shards - 1) * (size + 8192) + need + 4096
+
+
+def epoch_gets(
+    s3: S3Server,
+    bucket: str,
+    tmp: Path,
+    urls: list[str],
+    *,
+    capacity: int,
+    policy: str,
+    epochs: int,
+) -> list[int]:
+    """GETs per epoch (at the server) for one reader over shuffled epochs, demand only."""
+    cfg = daemon_config(
+        tmp / policy,
+        s3.endpoint_url,
+        **{"cache.capacity": str(capacity), "cache.policy": policy, "prefetch.lookahead": "0"},
+    )
+    per_epoch = []
+    with thread_daemon(cfg) as d:
+        ds = CachedDataset(urls, socket=d.socket, shuffle=True, seed=7)
+        for epoch in range(epochs):
+            before = s3.count("GET", bucket)
+            ds.set_epoch(epoch)
+            assert len(keys(ds)) == len(urls) * 8
+            per_epoch.append(s3.count("GET", bucket) - before)
+            assert d.call(d.daemon.hot.stats).used_bytes <= capacity
+    return per_epoch
+
+
+def test_twice_the_hot_tier_fetches_near_the_optimum_and_far_less_than_lru(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    shards, epochs = 64, 5
+    results = {}
+    for policy in ("belady", "lru"):
+        bucket = s3_server.new_bucket(policy)
+        urls, size = equal_shards(s3_server, bucket, shards)
+        capacity = capacity_for(shards // 2, size)
+        results[policy] = epoch_gets(
+            s3_server, bucket, tmp_path, urls, capacity=capacity, policy=policy, epochs=epochs
+        )
+    # The same accesses, replayed through Belady's offline MIN (it knows every epoch).
+    sequence = [
+        (s, 1) for e in range(epochs) for s in shard_order(shards, shuffle=True, seed=7, epoch=e)
+    ]
+    optimum = offline_min(sequence, shards // 2)
+    belady, lru = sum(results["belady"][1:]), sum(results["lru"][1:])
+    optimal = optimum - shards  # epochs 1.. (epoch 0 is cold for everyone)
+    assert results["belady"][0] == results["lru"][0] == shards
+    assert belady <= optimal * 1.05, (results, optimum)
+    assert belady <= 0.7 * lru, results
+
+
+def test_two_jobs_on_one_dataset_fetch_each_shard_once(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    urls = upload(s3_server, bucket, dataset_shards(10, 20, payload=5000))
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        jobs = [CachedDataset(urls, socket=d.socket, shuffle=True, seed=seed) for seed in (1, 2)]
+        got = read_together(jobs)
+    assert sorted(got[0]) == sorted(got[1]) and len(got[0]) == 200
+    for i in range(10):
+        assert s3_server.count("GET", f"/{bucket}/shard-{i:04d}.tar") == 1
+
+
+@pytest.fixture
+def slow_link(s3_server: S3Server) -> Iterator[FaultProxy]:
+    """The S3 server behind a slow link: 300 ms to the first byte of every answer (a
+    far-away store), then 4 MB/s shared by all transfers."""
+    with FaultProxy.start(s3_server.endpoint_url) as proxy:
+        proxy.rate_bps = 4_000_000
+        proxy.latency_s = 0.3
+        yield proxy
+
+
+def test_a_small_jobs_demand_misses_stay_fast_while_a_big_job_prefetches(
+    s3_server: S3Server, slow_link: FaultProxy, tmp_path: Path
+) -> None:
+    big_bucket, small_bucket = s3_server.new_bucket("big"), s3_server.new_bucket("small")
+    big = upload(s3_server, big_bucket, dataset_shards(12, 10, payload=40_000))  # 4.8 MB
+    small = upload(s3_server, small_bucket, dataset_shards(3, 10, payload=2000, prefix="t"))
+    cfg = daemon_config(
+        tmp_path,
+        slow_link.endpoint_url,
+        **{"prefetch.concurrency": 3, "prefetch.lookahead": "1GiB"},
+    )
+    with thread_daemon(cfg) as d:
+        big_job = CachedDataset(big, socket=d.socket)
+        big_read: list[int] = []
+        started = time.monotonic()
+        reader = threading.Thread(target=lambda: big_read.append(len(keys(big_job))))
+        reader.start()
+        # Wait until the big job's prefetches fill their download slots.
+        deadline = time.monotonic() + 10
+        while d.call(d.daemon.hot.stats).fetching < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        small_started = time.monotonic()
+        assert len(keys(CachedDataset(small, socket=d.socket))) == 30
+        small_s = time.monotonic() - small_started
+        reader.join(60)
+        big_s = time.monotonic() - started
+    assert big_read == [120]
+    # The small job's 3 shards (~20 KB each) are demand misses: each takes the download
+    # slot kept for demand and a share of the link at once, instead of a place behind
+    # the big job's prefetches (seconds of transfer on this link).
+    assert big_s > 3.0
+    assert small_s < min(1.5, big_s / 3), (small_s, big_s)
+
+
+def wait_fraction(socket: str, urls: list[str], compute_s: float) -> float:
+    """One epoch of a training loop that computes ``compute_s`` per sample; returns the
+    share of loop time spent waiting for the next sample (the client's StallMeter)."""
+    ds = CachedDataset(urls, socket=socket)
+    meter = StallMeter()
+    for _ in meter.wrap(ds):
+        time.sleep(compute_s)
+    return meter.fraction
+
+
+def test_lookahead_cuts_the_first_epochs_wait_on_a_slow_store(
+    s3_server: S3Server, slow_link: FaultProxy, tmp_path: Path
+) -> None:
+    fractions = {}
+    for lookahead in ("0", "64MiB"):
+        bucket = s3_server.new_bucket(f"slow-{lookahead}")
+        urls = upload(s3_server, bucket, dataset_shards(16, 10, payload=25_000))  # 4.4 MB
+        cfg = daemon_config(
+            tmp_path / lookahead,
+            slow_link.endpoint_url,
+            **{"prefetch.lookahead": lookahead, "prefetch.concurrency": 4},
+        )
+        with thread_daemon(cfg) as d:
+            # 160 samples x 15 ms = 2.4 s of compute. One shard at a time (HEAD and GET,
+            # 0.3 s each before the first byte) cannot keep up with the loop's 0.15 s per
+            # shard; the prefetcher's three downloads at once can.
+            fractions[lookahead] = wait_fraction(d.socket, urls, 0.015)
+    assert fractions["64MiB"] < 0.8 * fractions["0"], fractions
+
+
+def test_eviction_spares_shards_in_use_and_the_bound_holds_under_prefetch(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    urls, size = equal_shards(s3_server, bucket, 18)
+    capacity = capacity_for(6, size)
+    cfg = daemon_config(
+        tmp_path,
+        s3_server.endpoint_url,
+        **{"cache.capacity": str(capacity), "prefetch.lookahead": "64MiB"},
+    )
+    evicted_in_use: list[str] = []
+    with thread_daemon(cfg) as d, DirWatcher(cfg.cache.dir) as watch:
+        hot = d.daemon.hot
+        count = hot._on_evict
+
+        def check(shard: Any) -> None:
+            if shard.pins:
+                evicted_in_use.append(shard.url)
+            assert count is not None
+            count(shard)
+
+        d.call(lambda: setattr(hot, "_on_evict", check))
+        jobs = [CachedDataset(urls, socket=d.socket, shuffle=True, seed=s) for s in (1, 2)]
+        for epoch in range(2):
+            for ds in jobs:
+                ds.set_epoch(epoch)
+            assert [len(k) for k in read_together(jobs)] == [18 * 8, 18 * 8]
+        evictions = d.call(lambda: d.daemon.status()["counters"]["evictions"])
+    assert evictions > 0  # the tier was under pressure
+    assert evicted_in_use == []
+    assert 0 < watch.max_bytes <= capacity
+
+
+def test_a_killed_readers_plan_is_dropped_after_the_timeout(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    urls = upload(s3_server, bucket, dataset_shards(3, 5))
+    cfg = daemon_config(
+        tmp_path,
+        s3_server.endpoint_url,
+        **{"server.lease_timeout_s": 0.5, "prefetch.lookahead": "0"},
+    )
+    with thread_daemon(cfg) as d:
+        conn = Connection(d.socket)
+        conn.request({"op": "plan", "plan": "gone", "urls": urls, "job": "j"})
+        assert [p["stream"] for p in d.call(d.daemon.status)["plans"]] == ["gone"]
+        conn.close()  # the reader vanishes without a word
+        deadline = time.monotonic() + 5
+        while d.call(d.daemon.status)["plans"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert d.call(d.daemon.status)["plans"] == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"urls": "s3://b/a.tar"}, "'urls' must be a list"),
+        ({"urls": ["http://b/a.tar"]}, "http"),
+        ({"urls": ["s3://b/a.tar"], "plan": ""}, "'plan'"),
+    ],
+)
+def test_a_bad_plan_is_a_bad_request(tmp_path: Path, fields: dict[str, Any], message: str) -> None:
+    with thread_daemon(daemon_config(tmp_path, None)) as d:
+        conn = Connection(d.socket)
+        with pytest.raises(RemoteError, match=message) as err:
+            conn.request({"op": "plan", "plan": "p", **fields})
+        assert err.value.code == "bad_request"
+        # The daemon keeps serving.
+        assert conn.request({"op": "status"})[0]["ok"]
+
+
+def test_a_shard_only_in_the_cold_tier_is_served_and_promoted_to_the_warm_tier(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    warm, cold = s3_server.new_bucket("warm"), s3_server.new_bucket("cold")
+    bodies = dataset_shards(2, 10, payload=1000)
+    s3_server.put(warm, "shard-0000.tar", bodies[0])
+    s3_server.put(cold, "shard-0001.tar", bodies[1])  # archived: not in the warm bucket
+    urls = [f"s3://{warm}/shard-{i:04d}.tar" for i in range(2)]
+    tiering = {"cold.warm_prefix": f"s3://{warm}/", "cold.cold_prefix": f"s3://{cold}/"}
+    cfg = daemon_config(tmp_path / "a", s3_server.endpoint_url, **tiering, **{"cold.promote": True})
+    with thread_daemon(cfg) as d:
+        assert len(keys(CachedDataset(urls, socket=d.socket))) == 20
+        deadline = time.monotonic() + 10
+        while d.call(d.daemon.status)["tiers"]["promotions"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tiers = d.call(d.daemon.status)["tiers"]
+    # Status says which tier served each fetch.
+    assert tiers["warm"]["fetches"] == tiers["cold"]["fetches"] == 1
+    assert tiers["cold"]["fetched_bytes"] == len(bodies[1])
+    assert tiers["promotions"] == 1
+    promoted = s3_server.client.get_object(Bucket=warm, Key="shard-0001.tar")["Body"].read()
+    assert promoted == bodies[1]
+    # The next node (a fresh hot tier) finds it in the warm tier.
+    before = s3_server.count("GET", f"/{cold}/")
+    with thread_daemon(daemon_config(tmp_path / "b", s3_server.endpoint_url, **tiering)) as d:
+        assert len(keys(CachedDataset(urls[1:], socket=d.socket))) == 10
+        assert d.call(d.daemon.status)["tiers"]["cold"]["fetches"] == 0
+    assert s3_server.count("GET", f"/{cold}/") == before
+
+
+def test_without_promotion_the_warm_tier_is_left_alone(s3_server: S3Server, tmp_path: Path) -> None:
+    warm, cold = s3_server.new_bucket("warm"), s3_server.new_bucket("cold")
+    s3_server.put(cold, "only.tar", dataset_shards(1, 5)[0])
+    cfg = daemon_config(
+        tmp_path,
+        s3_server.endpoint_url,
+        **{"cold.warm_prefix": f"s3://{warm}/", "cold.cold_prefix": f"s3://{cold}/"},
+    )
+    with thread_daemon(cfg) as d:
+        assert len(keys(CachedDataset(f"s3://{warm}/only.tar", socket=d.socket))) == 5
+        assert d.call(d.daemon.status)["tiers"]["cold"]["fetches"] == 1
+    assert s3_server.client.list_objects_v2(Bucket=warm).get("KeyCount", 0) == 0
