@@ -139,6 +139,7 @@ def _status(cfg: Config, as_json: bool) -> int:
     print(
         f"opens     {opens:.0f}: {c['hits']:.0f} hits, {c['misses']:.0f} misses"
         + (f" ({c['hits'] / opens:.0%} hit rate)" if opens else "")
+        + f", {c['demand_misses']:.0f} of them a reader waited for"
     )
     print(
         f"fetched   {format_size(c['fetched_bytes'])}, {c['retries']:.0f} retries, "
@@ -148,6 +149,26 @@ def _status(cfg: Config, as_json: bool) -> int:
         f"served    {c['served_samples']:.0f} samples, {format_size(c['served_bytes'])}, "
         f"{status['streams']} streams"
     )
+    tiers, pre = status["tiers"], status["prefetch"]
+    print(
+        "tiers     "
+        + ", ".join(
+            f"{t} {tiers[t]['fetches']:.0f} fetches ({format_size(tiers[t]['fetched_bytes'])})"
+            for t in ("warm", "cold")
+        )
+        + f", {tiers['promotions']:.0f} promoted"
+    )
+    lead = "nothing planned is missing" if pre["lead_s"] is None else f"lead {pre['lead_s']:.1f}s"
+    print(
+        f"prefetch  lookahead {format_size(pre['lookahead_bytes'])}, {lead}, "
+        f"{pre['prefetches']:.0f} prefetches, {len(status['plans'])} plans"
+    )
+    for plan in status["plans"]:
+        rate = plan["rate_shards_per_s"]
+        print(
+            f"  plan {plan['stream']}: shard {plan['cursor']} of {plan['shards']}"
+            + (f", {rate:.2f} shards/s" if rate else "")
+        )
     return 0
 
 

@@ -119,6 +119,10 @@ class PrefetchConfig:
     lookahead_bytes: int = _size("32GiB")
     # Shards downloaded at once (each may use several ranged GETs).
     concurrency: int = 4
+    # A reader's plan is dropped this long after its last request (a killed client). Longer
+    # than the pin lease: a validation pass or a checkpoint between epochs must not lose
+    # the next epoch's plan, which warms the hot tier across the boundary.
+    plan_timeout_s: float = 900.0
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ class Daemon:
         self.started = time.time()
         self._stack = contextlib.AsyncExitStack()
         self._tasks: set[asyncio.Task[None]] = set()
-        self.planner = Planner(cfg.server.lease_timeout_s)
+        self.planner = Planner(cfg.prefetch.plan_timeout_s)
         self.hot = HotTier(
             cfg.cache.dir,
             cfg.cache.capacity_bytes,
@@ -171,6 +171,7 @@ class Daemon:
             "counters": {
                 "hits": _value(m.hits),
                 "misses": _value(m.misses),
+                "demand_misses": _value(m.misses, kind="demand"),
                 "fetched_bytes": _value(m.fetched_bytes),
                 "evictions": _value(m.evictions),
                 "served_samples": _value(m.served_samples),

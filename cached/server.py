@@ -172,9 +172,9 @@ class Server:
             task.add_done_callback(self._done)
 
     async def expire_leases(self) -> None:
-        """Release lapsed leases periodically, until cancelled."""
+        """Release lapsed leases and drop quiet plans periodically, until cancelled."""
         while True:
-            await asyncio.sleep(max(0.05, self.leases.timeout_s / 4))
+            await asyncio.sleep(max(0.05, min(self.leases.timeout_s, self.planner.timeout_s) / 4))
             if self.leases.expire():
                 log.info("released leases of streams that went quiet")
             if self.planner.expire():

@@ -46,12 +46,13 @@ def test_prefetch_status_and_http(served: tuple[ProcessDaemon, str]) -> None:
     assert status["hot"]["shards"] == 3 and status["counters"]["misses"] == 3
     text = cached("status", "--config", cfg).stdout
     assert "3 shards" in text and "3 misses" in text
+    assert "warm 3 fetches" in text and "cold 0 fetches" in text and "0 plans" in text
 
     http = status["http"]
     with urllib.request.urlopen(f"{http}/metrics") as r:
         metrics = r.read().decode()
     assert "cached_misses_total" in metrics and "cached_hot_bytes" in metrics
-    assert 'cached_fetched_bytes_total{tier="s3"}' in metrics
+    assert 'cached_fetched_bytes_total{tier="warm"}' in metrics
     with urllib.request.urlopen(f"{http}/healthz") as r:
         assert json.load(r) == {"ok": True}
     with urllib.request.urlopen(f"{http}/readyz") as r:

@@ -6,6 +6,7 @@ ZeroMQ, and for the slow store a real TCP proxy that shapes the link's rate.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from cached_client.transport import Connection
 from torch.utils.data import DataLoader
 
 from bench.cache_sim import offline_min
+from cached.fetcher import DEMAND, PREFETCH, PrioritySlots
 from tests.daemon import (
     ProcessDaemon,
     daemon_config,
@@ -279,7 +281,7 @@ def test_a_killed_readers_plan_is_dropped_after_the_timeout(
     cfg = daemon_config(
         tmp_path,
         s3_server.endpoint_url,
-        **{"server.lease_timeout_s": 0.5, "prefetch.lookahead": "0"},
+        **{"prefetch.plan_timeout_s": 0.5, "prefetch.lookahead": "0"},
     )
     with thread_daemon(cfg) as d:
         conn = Connection(d.socket)
@@ -352,3 +354,52 @@ def test_without_promotion_the_warm_tier_is_left_alone(s3_server: S3Server, tmp_
         assert len(keys(CachedDataset(f"s3://{warm}/only.tar", socket=d.socket))) == 5
         assert d.call(d.daemon.status)["tiers"]["cold"]["fetches"] == 1
     assert s3_server.client.list_objects_v2(Bucket=warm).get("KeyCount", 0) == 0
+
+
+async def test_download_slots_keep_one_for_demand_and_order_prefetches_by_need() -> None:
+    need = {"soon": 1.0, "late": 9.0, "later": 20.0}
+    slots = PrioritySlots(3, keep=1, urgency=lambda key: need.get(key, 0.0))
+    order: list[str] = []
+
+    async def take(priority: int, key: str) -> None:
+        await slots.acquire(priority, key)
+        order.append(key)
+
+    await slots.acquire(PREFETCH, "running")  # one prefetch downloading: 2 slots free
+    tasks = [asyncio.create_task(take(PREFETCH, k)) for k in ("later", "late", "soon")]
+    await asyncio.sleep(0)
+    # Prefetches took free slots down to the one kept for demand: "later" came first.
+    assert order == ["later"]
+    demand = asyncio.create_task(take(DEMAND, "reader"))
+    await asyncio.sleep(0)
+    assert order == ["later", "reader"]  # at once, though prefetches were queued before it
+    slots.release()
+    await asyncio.sleep(0)
+    assert order == ["later", "reader"]  # one slot free: it stays kept for demand
+    slots.release()
+    await asyncio.sleep(0)
+    assert order[-1] == "soon"  # of the queued prefetches, the one needed soonest
+    slots.promote("late", DEMAND)  # a reader now waits for it: it may take the kept slot
+    await asyncio.sleep(0)
+    assert order[-1] == "late"
+    await asyncio.gather(*tasks, demand)
+
+
+def test_an_open_ahead_waits_for_the_prefetcher_and_never_fetches_by_itself(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    urls = upload(s3_server, bucket, dataset_shards(2, 5))
+    cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"prefetch.lookahead": "0"})
+    with thread_daemon(cfg) as d:
+        conn = Connection(d.socket)
+        ahead = conn.send(
+            {"op": "open", "url": urls[1], "stream": "s", "pin": False, "ahead": True}
+        )
+        time.sleep(0.5)
+        # Demand only (lookahead 0): nobody fetched it, and the open ahead still waits.
+        assert s3_server.count("GET", f"/{bucket}/") == 0
+        assert not conn.has_reply(ahead)
+        # The reader gets there and asks as a demand: one download answers both.
+        assert conn.request({"op": "open", "url": urls[1], "stream": "s", "pin": False})[0]["ok"]
+        assert conn.wait(ahead)[0]["samples"] == 5
+    assert s3_server.count("GET", f"/{bucket}/") == 1
