@@ -3,8 +3,8 @@
 Starts an S3-compatible endpoint on loopback (moto's server), writes a synthetic image
 dataset into it as WebDataset tar shards, starts ``cached serve`` as a real subprocess,
 and trains a small CNN for a few epochs through ``CachedDataset`` and a multi-worker
-DataLoader, printing per epoch: time, samples/s, hot-tier hits and misses, bytes fetched
-from S3, and the share of time the loop waited for data.
+DataLoader, printing per epoch: time, samples/s, hot-tier hits, the misses a reader
+waited for, bytes fetched from S3, and the share of time the loop waited for data.
 """
 
 from __future__ import annotations
@@ -158,13 +158,15 @@ def main(
                         f"{epoch:>5} {meter.total_s:>7.2f} {seen / meter.total_s:>10.0f} "
                         f"{loss_sum / seen:>7.3f} {correct / seen:>6.1%} "
                         f"{after['hits'] - before['hits']:>5.0f} "
-                        f"{after['misses'] - before['misses']:>6.0f} "
+                        f"{after['demand_misses'] - before['demand_misses']:>6.0f} "
                         f"{format_size(after['fetched_bytes'] - before['fetched_bytes']):>10} "
                         f"{meter.fraction:>7.1%}"
                     )
                 print(
-                    "\nepoch 0 fetched every shard from S3; later epochs were served from the "
-                    "hot tier.\n'waited' is the share of loop time blocked on the next batch."
+                    "\nepoch 0 fetched every shard from S3, ahead of the readers where it could;"
+                    " later epochs were served from the hot tier.\n'misses' counts the shards a"
+                    " reader had to wait for; 'waited' is the share of loop time blocked on the"
+                    " next batch."
                 )
     finally:
         if tmp is not None:

@@ -197,9 +197,10 @@ class Fetcher:
             try:
                 shard = await asyncio.shield(task)
             except NotAdmitted:
-                # The prefetch gave way to shards needed sooner. A reader's open ahead
-                # (PREFETCH) waits until the rule admits it, as readers move on; then, or
-                # after ``pin_wait_s``, or for a reader waiting now, it fetches on demand.
+                # The prefetch gave way to shards needed sooner. A prefetch request
+                # (``cached prefetch``) waits until the rule admits it, as readers move on;
+                # then, or after ``pin_wait_s``, or for a reader waiting now, it fetches on
+                # demand (the user asked for this shard).
                 if priority == PREFETCH:
                     deadline = deadline or time.monotonic() + self.hot.pin_wait_s
                     if time.monotonic() < deadline:

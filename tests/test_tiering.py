@@ -180,35 +180,44 @@ def slow_link(s3_server: S3Server) -> Iterator[FaultProxy]:
 def test_a_small_jobs_demand_misses_stay_fast_while_a_big_job_prefetches(
     s3_server: S3Server, slow_link: FaultProxy, tmp_path: Path
 ) -> None:
-    big_bucket, small_bucket = s3_server.new_bucket("big"), s3_server.new_bucket("small")
-    big = upload(s3_server, big_bucket, dataset_shards(12, 10, payload=40_000))  # 4.8 MB
-    small = upload(s3_server, small_bucket, dataset_shards(3, 10, payload=2000, prefix="t"))
+    big = upload(s3_server, s3_server.new_bucket("big"), dataset_shards(12, 10, payload=80_000))
+    small = [
+        upload(s3_server, s3_server.new_bucket(f"small{i}"), dataset_shards(3, 10, payload=2000))
+        for i in range(2)
+    ]
     cfg = daemon_config(
         tmp_path,
         slow_link.endpoint_url,
         **{"prefetch.concurrency": 3, "prefetch.lookahead": "1GiB"},
     )
+
+    def small_job(urls: list[str]) -> float:
+        started = time.monotonic()
+        assert len(keys(CachedDataset(urls, socket=d.socket))) == 30
+        return time.monotonic() - started
+
     with thread_daemon(cfg) as d:
-        big_job = CachedDataset(big, socket=d.socket)
+        alone_s = small_job(small[0])  # three demand misses on an idle link
         big_read: list[int] = []
         started = time.monotonic()
-        reader = threading.Thread(target=lambda: big_read.append(len(keys(big_job))))
+        reader = threading.Thread(
+            target=lambda: big_read.append(len(keys(CachedDataset(big, socket=d.socket))))
+        )
         reader.start()
         # Wait until the big job's prefetches fill their download slots.
         deadline = time.monotonic() + 10
         while d.call(d.daemon.hot.stats).fetching < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        small_started = time.monotonic()
-        assert len(keys(CachedDataset(small, socket=d.socket))) == 30
-        small_s = time.monotonic() - small_started
+        shared_s = small_job(small[1])  # the same, while the big job prefetches 9.6 MB
         reader.join(60)
         big_s = time.monotonic() - started
     assert big_read == [120]
-    # The small job's 3 shards (~20 KB each) are demand misses: each takes the download
-    # slot kept for demand and a share of the link at once, instead of a place behind
-    # the big job's prefetches (seconds of transfer on this link).
-    assert big_s > 3.0
-    assert small_s < min(1.5, big_s / 3), (small_s, big_s)
+    assert big_s > 2 * shared_s  # the big job really was prefetching all along
+    # Each of the small job's demand misses takes the download slot kept for demand and
+    # a share of the link at once, instead of a place behind the big job's prefetches
+    # (each of which holds a slot for over half a second on this link).
+    # Measured: 1.06 s shared against 1.24 s alone; without the kept slot, 1.57 against 0.92.
+    assert shared_s < 1.25 * alone_s + 0.1, (alone_s, shared_s, big_s)
 
 
 def wait_fraction(socket: str, urls: list[str], compute_s: float) -> float:
@@ -227,18 +236,19 @@ def test_lookahead_cuts_the_first_epochs_wait_on_a_slow_store(
     fractions = {}
     for lookahead in ("0", "64MiB"):
         bucket = s3_server.new_bucket(f"slow-{lookahead}")
-        urls = upload(s3_server, bucket, dataset_shards(16, 10, payload=25_000))  # 4.4 MB
+        urls = upload(s3_server, bucket, dataset_shards(32, 10, payload=25_000))  # 8.8 MB
         cfg = daemon_config(
             tmp_path / lookahead,
             slow_link.endpoint_url,
             **{"prefetch.lookahead": lookahead, "prefetch.concurrency": 4},
         )
         with thread_daemon(cfg) as d:
-            # 160 samples x 15 ms = 2.4 s of compute. One shard at a time (HEAD and GET,
-            # 0.3 s each before the first byte) cannot keep up with the loop's 0.15 s per
-            # shard; the prefetcher's three downloads at once can.
+            # 320 samples x 15 ms = 4.8 s of compute. One shard at a time (0.3 s before
+            # the first byte of each GET) cannot keep up with the loop's 0.15 s per shard;
+            # the prefetcher's three downloads at once can, after the first shard.
             fractions[lookahead] = wait_fraction(d.socket, urls, 0.015)
-    assert fractions["64MiB"] < 0.8 * fractions["0"], fractions
+    # Measured on a 2-core VM: about 0.52 against 0.28 (0.54x).
+    assert fractions["64MiB"] < 0.75 * fractions["0"], fractions
 
 
 def test_eviction_spares_shards_in_use_and_the_bound_holds_under_prefetch(
