@@ -11,7 +11,7 @@ policies from :func:`cached.policy.make_policy`, the way the daemon does:
 - every read carries its position (``Planner.advance``) before the shard is looked up;
 - the shard a stream is reading is pinned (the daemon's lease) and never evicted;
 - on a miss, ``victims()`` is walked, skipping pinned shards, evicting one at a time
-  until the shard fits (``HotTier._evict_one``); its bytes count as fetched;
+  until the shard fits (``HotTier._make_room``); its bytes count as fetched;
 - on a hit the policy hears ``on_access``.
 
 Next to ``belady`` and ``lru`` the same global access sequence (every stream's reads, in
@@ -312,7 +312,7 @@ class SimCache:
         return False
 
     def _evict_one(self) -> None:
-        # As HotTier._evict_one: the policy's first victim that no reader holds; the order
+        # As HotTier._make_room: the policy's first victim that no reader holds; the order
         # is asked again for each eviction.
         for sid in self.policy.victims():
             if sid in self.resident and not self.pins.get(sid):
