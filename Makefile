@@ -38,11 +38,13 @@ test: check
 bench: $(STAMP)
 	$(PY) bench/serve.py
 	$(PY) bench/transport.py
+	$(PY) bench/epochs.py
 	$(PY) bench/cache_sim.py
 
 bench-small: $(STAMP)
 	$(PY) bench/serve.py --small
 	$(PY) bench/transport.py --small
+	$(PY) bench/epochs.py --small
 	$(PY) bench/cache_sim.py --small
 
 clean:
