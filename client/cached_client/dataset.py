@@ -33,7 +33,8 @@ class CachedDataset(IterableDataset[Any]):
         socket: the daemon's ZeroMQ endpoint; None means ``$CACHED_SOCKET``, else
             ``ipc:///run/cached/cached.sock``.
         shuffle: shuffle the shard order per epoch (fixed by ``seed`` and the epoch) and the
-            samples within a buffer of ``shuffle_buffer``.
+            samples within a buffer of ``shuffle_buffer`` (which starts yielding after 100
+            samples and fills as it goes, so the first batch does not wait for it).
         seed: the shuffle seed; the same seed and epoch give the same order.
         rank, world_size: this process's place in distributed training; None means
             ``torch.distributed`` when initialized, else ``$RANK``/``$WORLD_SIZE``, else 0/1.

@@ -85,18 +85,30 @@ def by_sample(
     return parts
 
 
-def buffered_shuffle(items: Iterable[T], size: int, rng: random.Random) -> Iterator[T]:
-    """Shuffle a stream within a buffer of ``size`` items (memory stays bounded)."""
+def buffered_shuffle(
+    items: Iterable[T], size: int, rng: random.Random, initial: int = 100
+) -> Iterator[T]:
+    """Shuffle a stream within a buffer of at most ``size`` items (memory stays bounded).
+
+    Yields from the first ``min(initial, size)`` items on, while the buffer keeps
+    growing (two in, one out) to ``size``: a full buffer before the first sample would
+    make a cold first epoch wait for ``size`` samples' shards before its first batch.
+    """
     if size <= 1:
         yield from items
         return
+    initial = max(1, min(initial, size))
+    it = iter(items)
     buf: list[T] = []
-    for item in items:
+    for item in it:
+        buf.append(item)
         if len(buf) < size:
-            buf.append(item)
-            continue
-        i = rng.randrange(size)
-        out, buf[i] = buf[i], item
-        yield out
+            for more in it:  # take a second one while growing
+                buf.append(more)
+                break
+        if len(buf) >= initial:
+            i = rng.randrange(len(buf))
+            buf[i], buf[-1] = buf[-1], buf[i]
+            yield buf.pop()
     rng.shuffle(buf)
     yield from buf
