@@ -158,11 +158,13 @@ def _status(cfg: Config, as_json: bool) -> int:
         )
         + f", {tiers['promotions']:.0f} promoted"
     )
-    lead = "nothing planned is missing" if pre["lead_s"] is None else f"lead {pre['lead_s']:.1f}s"
-    print(
-        f"prefetch  lookahead {format_size(pre['lookahead_bytes'])}, {lead}, "
-        f"{pre['prefetches']:.0f} prefetches, {len(status['plans'])} plans"
-    )
+    if not pre["lookahead_bytes"]:
+        lead = "off (lookahead 0: on demand only)"
+    elif pre["lead_s"] is None:
+        lead = f"lookahead {format_size(pre['lookahead_bytes'])}, nothing planned is missing"
+    else:
+        lead = f"lookahead {format_size(pre['lookahead_bytes'])}, lead {pre['lead_s']:.1f}s"
+    print(f"prefetch  {lead}, {pre['prefetches']:.0f} prefetches, {len(status['plans'])} plans")
     for plan in status["plans"]:
         rate = plan["rate_shards_per_s"]
         print(
