@@ -243,9 +243,10 @@ class Daemon(DaemonProcess):
         )
         super().__init__(config, socket, log=workdir / f"{name}.log")
 
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
-        if exc_type is not None and not issubclass(exc_type, KeyboardInterrupt | SystemExit):
+        exc_type = exc[0] if exc else None
+        if isinstance(exc_type, type) and not issubclass(exc_type, KeyboardInterrupt | SystemExit):
             print(f"--- end of {self.log}:\n{self.log_tail()}", file=sys.stderr)
 
     def prefetch(self, urls: Sequence[str]) -> float:

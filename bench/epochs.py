@@ -1,9 +1,11 @@
 """Epochs against a slow store: lookahead on and off, eviction policies, one run.
 
-A real ``cached serve`` reads WebDataset shards from moto's S3 server behind a
-rate-shaped link (``bench/shaping.py``: ``tc tbf`` on a veth pair into a network
-namespace, or a token-bucket proxy where that cannot be set up). A training loop reads
-the shards through ``CachedDataset(shuffle=True, seed=0)`` in a DataLoader with workers,
+A real ``cached serve`` reads WebDataset shards from moto's S3 server behind a shaped
+link (``bench/shaping.py``): its rate is limited by ``tc tbf`` on a veth pair into a
+network namespace (or a token-bucket proxy where that cannot be set up), and a delaying
+TCP proxy in front adds ``--latency-ms`` one way, so every request costs a round trip
+before its first byte, as S3 in another region does. A training loop reads
+the shards through ``CachedDataset(shuffle=True, seed=0)`` in a DataLoader (1 worker),
 for several epochs (``set_epoch(e)`` each), and "computes" for a fixed time per batch,
 sized so the loop consumes bytes about as fast as the link delivers them.
 
@@ -25,8 +27,9 @@ The configurations run round-robin ``--repeats`` times (medians are shown). Then
 ratios: epoch-0 wait fraction lookahead on / off, bytes fetched per epoch belady / lru.
 Results also go to ``bench/out/epochs-<timestamp>.json``. See docs/benchmarks.md.
 
-    python bench/epochs.py              # the full run (a few minutes)
-    python bench/epochs.py --small      # a smoke run for CI (seconds)
+    python bench/epochs.py                  # the full run (a few minutes)
+    python bench/epochs.py --latency-ms 0   # the link's rate alone
+    python bench/epochs.py --small          # a smoke run for CI (seconds)
 """
 
 from __future__ import annotations
@@ -55,6 +58,17 @@ BUCKET = "bench-epochs"
 POLICIES = ("belady", "lru")
 SCENARIOS = ("fits", "2x")
 SEED = 0
+# The defaults put the cold epoch where the question has an answer. One way; a request's
+# round trip is twice it: 100 ms is S3 in another region (200 ms before each GET's first
+# byte). A 1 MiB shard crosses the 64 Mbit/s link in about 140 ms, so the link stays full
+# only with about 1 + 200/140 = 2.4 downloads in flight: the ratio of a 100 MB shard on a
+# ~6 Gbit/s node link to the same store. One DataLoader worker: a reader keeps 2 downloads
+# in flight by demand alone (the shard it waits for and the next), below that need and
+# below the daemon's 4 download slots, which lookahead can fill. (Two workers' demands
+# already take all 4 slots; see docs/benchmarks.md.) --small keeps a token delay: the
+# proxy is exercised, the smoke run stays fast.
+LATENCY_MS = 100.0
+SMALL_LATENCY_MS = 2.0
 
 
 # -- what runs ----------------------------------------------------------------------------------
@@ -446,12 +460,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--small", action="store_true", help="tiny sizes for CI (seconds)")
-    p.add_argument("--shards", type=int, help="shards in the dataset (default 24; --small 16)")
-    p.add_argument("--shard-size", help="payload per shard (default 2MiB; --small 64KiB)")
+    p.add_argument("--shards", type=int, help="shards in the dataset (default 48; --small 16)")
+    p.add_argument("--shard-size", help="payload per shard (default 1MiB; --small 64KiB)")
     p.add_argument("--sample-size", help="bytes per sample (default 100KB; --small 8KB)")
     p.add_argument("--rate", type=float, help="link limit, Mbit/s per direction (default 64)")
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        help="one-way delay of the link, ms: a request's round trip is twice it (default "
+        f"{LATENCY_MS:g}; --small {SMALL_LATENCY_MS:g}; 0: the rate limit alone)",
+    )
     p.add_argument("--epochs", type=int, help="epochs per configuration (default 3; --small 2)")
-    p.add_argument("--workers", type=int, help="DataLoader workers (default 2; --small 1)")
+    p.add_argument("--workers", type=int, help="DataLoader workers (default 1)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per batch (8)")
     p.add_argument(
         "--compute-ratio",
@@ -495,16 +515,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=common.OUT_DIR, help="where the JSON goes")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = p.parse_args(argv)
-    args.shards = args.shards or (16 if args.small else 24)
-    args.shard_size = parse_size(args.shard_size or ("64KiB" if args.small else "2MiB"))
+    args.shards = args.shards or (16 if args.small else 48)
+    args.shard_size = parse_size(args.shard_size or ("64KiB" if args.small else "1MiB"))
     args.sample_size = parse_size(args.sample_size or ("8KB" if args.small else "100KB"))
     args.rate = args.rate or 64.0
+    if args.latency_ms is None:
+        args.latency_ms = SMALL_LATENCY_MS if args.small else LATENCY_MS
     args.epochs = args.epochs or (2 if args.small else 3)
-    args.workers = args.workers if args.workers is not None else (1 if args.small else 2)
+    args.workers = args.workers if args.workers is not None else 1
     args.policies = _names(args.policy, POLICIES, "policy")
     args.scenarios = _names(args.scenario, SCENARIOS, "scenario", known=SCENARIOS)
     if args.epochs < 1 or args.repeats < 1:
         p.error("--epochs and --repeats must be at least 1")
+    if args.latency_ms < 0:
+        p.error("--latency-ms must not be negative")
     return args
 
 
@@ -540,6 +564,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         with shaping.shaped_s3(
             args.rate,
+            latency_ms=args.latency_ms,
             populate=uploader(shards),
             method=args.shaping,
             probe_bytes=min(4_000_000, max(1_000_000, shards.tar_bytes // 4)),
@@ -550,7 +575,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(
                 f"shaping: {s3.method}: {s3.detail}\nshaping: a probe download ran at "
                 f"{s3.measured_mbit:.1f} Mbit/s through it ({s3.measured_mbit / args.rate:.0%} "
-                f"of the limit; {s3.unshaped_mbit:.0f} Mbit/s unshaped)"
+                f"of the limit; {s3.unshaped_mbit:.0f} Mbit/s unshaped); a HEAD took "
+                f"{s3.request_ms:.0f} ms ({s3.unshaped_request_ms:.0f} ms unshaped)"
             )
             plan = make_plan(args, shards, urls, s3.measured_mbit)
             doc["plan"] = {

@@ -43,6 +43,7 @@ if __package__ in (None, ""):
 
 from bench import common
 from bench.common import Result, ShardSet
+from cached.config import parse_size
 
 DEFAULT_SIZES = ("100KB", "1KB")
 
@@ -221,7 +222,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = p.parse_args(argv)
     args.shards = args.shards or (8 if args.small else 64)
-    args.total = common.parse_size(args.total or ("2MiB" if args.small else "256MiB"))
+    args.total = parse_size(args.total or ("2MiB" if args.small else "256MiB"))
     args.sample_sizes = common.parse_sizes(args.sample_size or DEFAULT_SIZES)
     args.repeats = args.repeats or (1 if args.small else 3)
     args.workers = common.parse_ints(args.workers or ["0,1,2"])

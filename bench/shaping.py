@@ -1,6 +1,8 @@
-"""A rate-shaped S3 endpoint for benchmarks: moto's S3 server behind a slow link.
+"""A shaped S3 endpoint for benchmarks: moto's S3 server behind a slow, distant link.
 
-Two ways to make the link slow, tried in this order:
+The link has a rate (bytes per second, shared by all connections) and optionally a
+latency (a one-way delay on every byte, so each request/response round trip costs twice
+it, as a store in another region does). Two ways to limit the rate, tried in this order:
 
   netns   moto runs inside its own network namespace, reached over a veth pair with
           addresses in a private /30; a ``tc tbf`` qdisc on each end of the pair limits
@@ -11,29 +13,38 @@ Two ways to make the link slow, tried in this order:
           bytes through one token bucket per direction (all connections share the link,
           as they would share a real one). Used when the namespace cannot be made.
 
+The latency (``latency_ms`` > 0) comes from a second proxy, ``DelayingProxy``, on the host
+in front of either: netem-like, it forwards every chunk ``latency_ms`` after it arrived,
+in order, per direction. (This kernel has no ``netem``; ``tbf`` keeps the rate.)
+
 Either way the store is filled *before* shaping starts (``populate`` gets an unshaped
-endpoint), so writing the dataset is fast, and the achieved rate is measured by
-downloading a probe object once shaping is on.
+endpoint), so writing the dataset is fast, and once shaping is on, the achieved rate is
+measured by downloading a probe object and the round trip by timing small requests.
 
-    with shaped_s3(64, populate=upload) as s3:
-        print(s3.method, s3.endpoint_url, s3.measured_mbit)
+    with shaped_s3(64, latency_ms=100, populate=upload) as s3:
+        print(s3.method, s3.endpoint_url, s3.measured_mbit, s3.request_ms)
 
-``python bench/shaping.py --rate 64`` checks the shaping on this machine.
+``python bench/shaping.py --rate 64 --latency-ms 100`` checks the shaping on this machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
 import contextlib
+import importlib
 import os
 import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,13 +66,16 @@ Log = Callable[[str], None]
 
 @dataclass
 class ShapedS3:
-    """A running rate-shaped S3 endpoint."""
+    """A running shaped S3 endpoint."""
 
     endpoint_url: str  # what the daemon talks to: shaped
     method: str  # "netns" (tc tbf on a veth pair) or "proxy" (token-bucket TCP proxy)
     rate_mbit: float  # the configured limit per direction, 10^6 bits/s
-    measured_mbit: float = 0.0  # the rate a probe download achieved through the shaping
+    latency_ms: float = 0.0  # the configured one-way delay (the delaying proxy), ms
+    measured_mbit: float = 0.0  # a probe download's body rate through the shaping
     unshaped_mbit: float = 0.0  # the same download before shaping: the store's own speed
+    request_ms: float = 0.0  # a small request (HEAD) through it, median
+    unshaped_request_ms: float = 0.0  # the same before shaping: the store's own time
     detail: str = ""  # how it was set up, for the record
 
     def record(self) -> dict[str, Any]:
@@ -70,8 +84,11 @@ class ShapedS3:
             "method": self.method,
             "endpoint_url": self.endpoint_url,
             "rate_mbit": self.rate_mbit,
+            "latency_ms": self.latency_ms,
             "measured_mbit": round(self.measured_mbit, 2),
             "unshaped_mbit": round(self.unshaped_mbit, 2),
+            "request_ms": round(self.request_ms, 2),
+            "unshaped_request_ms": round(self.unshaped_request_ms, 2),
             "detail": self.detail,
         }
 
@@ -80,23 +97,71 @@ class ShapedS3:
 def shaped_s3(
     rate_mbit: float,
     *,
+    latency_ms: float = 0.0,
     populate: Populate | None = None,
     method: str = "auto",
     probe_bytes: int = 4_000_000,
     server_log: Path | None = None,
     log: Log = print,
 ) -> Iterator[ShapedS3]:
-    """moto's S3 server behind a link limited to ``rate_mbit`` in each direction.
+    """moto's S3 server behind a link limited to ``rate_mbit`` in each direction, and
+    ``latency_ms`` away one way (0: no delay).
 
     ``populate(url)`` runs first, against the same store without shaping (upload the
     dataset there). ``method`` is ``"auto"`` (netns, else proxy), ``"netns"`` or
-    ``"proxy"``. Everything (server, namespace, veth pair, proxy) is removed on exit,
-    also after an error or a SIGTERM turned into ``SystemExit``.
+    ``"proxy"``; the latency is a ``DelayingProxy`` in front of either. Everything
+    (server, namespace, veth pair, proxies) is removed on exit, also after an error or a
+    SIGTERM turned into ``SystemExit``.
     """
     if method not in ("auto", "netns", "proxy"):
         raise ValueError(f"method must be auto, netns or proxy, not {method!r}")
     if rate_mbit <= 0:
         raise ValueError(f"rate_mbit must be positive, not {rate_mbit}")
+    if latency_ms < 0:
+        raise ValueError(f"latency_ms must not be negative, not {latency_ms}")
+    with _rate_shaped(
+        rate_mbit,
+        populate,
+        method=method,
+        probe_bytes=probe_bytes,
+        server_log=server_log,
+        log=log,
+    ) as s3:
+        if latency_ms == 0:
+            s3.request_ms = measure_request_ms(s3.endpoint_url)
+            yield s3
+            return
+        host, port = _host_port(s3.endpoint_url)
+        with DelayingProxy((host, port), latency_ms / 1000) as delay:
+            s3.endpoint_url = f"http://127.0.0.1:{delay.port}"
+            s3.latency_ms = latency_ms
+            s3.detail += (
+                f"; in front, a delaying TCP proxy at {s3.endpoint_url} "
+                f"({latency_ms:g} ms one way, each direction)"
+            )
+            s3.measured_mbit = measure_mbit(s3.endpoint_url, probe_bytes)
+            s3.request_ms = measure_request_ms(s3.endpoint_url)
+            yield s3
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.hostname is None or parsed.port is None:
+        raise ValueError(f"no host:port in {url!r}")
+    return parsed.hostname, parsed.port
+
+
+@contextlib.contextmanager
+def _rate_shaped(
+    rate_mbit: float,
+    populate: Populate | None,
+    *,
+    method: str,
+    probe_bytes: int,
+    server_log: Path | None,
+    log: Log,
+) -> Iterator[ShapedS3]:
+    """The rate limit alone: netns + tc tbf, else the token-bucket proxy."""
     if method in ("auto", "netns"):
         why = netns_unavailable()
         if why is None:
@@ -184,9 +249,9 @@ def _wait_listening(proc: subprocess.Popen[bytes], host: str, port: int, timeout
 
 def s3_client(endpoint_url: str) -> Any:
     """A boto3 S3 client for a moto endpoint (any credentials do; no retries hide stalls)."""
-    import boto3
     from botocore.config import Config
 
+    boto3: Any = importlib.import_module("boto3")  # untyped
     return boto3.client(
         "s3",
         endpoint_url=endpoint_url,
@@ -205,15 +270,33 @@ def _put_probe(endpoint_url: str, nbytes: int) -> None:
 
 
 def measure_mbit(endpoint_url: str, nbytes: int) -> float:
-    """Download the probe object through ``endpoint_url``; returns the achieved 10^6 bit/s."""
+    """Download the probe object through ``endpoint_url``; returns the achieved 10^6 bit/s
+    of its body, timed from the response's headers to its last byte (a rate: the round
+    trip before the first byte is ``measure_request_ms``'s)."""
     client = s3_client(endpoint_url)
     client.head_object(Bucket=PROBE_BUCKET, Key=PROBE_KEY)  # connection set up, not timed
+    response = client.get_object(Bucket=PROBE_BUCKET, Key=PROBE_KEY)
     started = time.perf_counter()
-    body = client.get_object(Bucket=PROBE_BUCKET, Key=PROBE_KEY)["Body"].read()
+    body = response["Body"].read()
     secs = time.perf_counter() - started
     if len(body) != nbytes:
         raise RuntimeError(f"probe download returned {len(body)} bytes, expected {nbytes}")
     return nbytes * 8 / secs / 1e6
+
+
+def measure_request_ms(endpoint_url: str, times: int = 5) -> float:
+    """The median time of a HEAD of the probe object, in ms: a round trip of the link plus
+    the store's own time (moto closes every connection after its response, so this
+    includes connecting: nothing over a loopback or veth link, nothing through the
+    delaying proxy without ``handshake``)."""
+    client = s3_client(endpoint_url)
+    client.head_object(Bucket=PROBE_BUCKET, Key=PROBE_KEY)  # connection set up, not timed
+    secs = []
+    for _ in range(times):
+        started = time.perf_counter()
+        client.head_object(Bucket=PROBE_BUCKET, Key=PROBE_KEY)
+        secs.append(time.perf_counter() - started)
+    return statistics.median(secs) * 1000
 
 
 # -- netns + tc tbf ---------------------------------------------------------------------------
@@ -299,6 +382,7 @@ def _netns_s3(
         if populate is not None:
             populate(url)
         unshaped = measure_mbit(url, probe_bytes)
+        unshaped_request_ms = measure_request_ms(url)
         # Both directions: the namespace's end sends the GET bodies (what the daemon
         # waits for); the host's end carries requests and would carry uploads.
         _tbf(rate_mbit, ns_if, ns)
@@ -313,6 +397,7 @@ def _netns_s3(
             ),
         )
         s3.unshaped_mbit = unshaped
+        s3.unshaped_request_ms = unshaped_request_ms
         s3.measured_mbit = measure_mbit(url, probe_bytes)
         yield s3
     finally:
@@ -428,6 +513,190 @@ class RateLimitedProxy:
                     self._socks.discard(src)
 
 
+# -- latency: a delaying TCP proxy ----------------------------------------------------------
+
+
+class DelayingProxy:
+    """A TCP proxy on 127.0.0.1 that delays every byte by ``latency_s``, one way.
+
+    Like ``netem delay``: each chunk read from either side is written to the other side
+    ``latency_s`` after it arrived, in order, per direction, so a request and its response
+    cost a round trip of ``2 * latency_s`` while a stream keeps its throughput (a delay,
+    not a rate: the bytes of a long response flow back to back, ``latency_s`` late).
+
+    ``handshake=True`` also charges a new connection the TCP handshake's round trip (the
+    client's first bytes leave ``2 * latency_s`` after it connected; the proxy accepts at
+    once, so the client cannot wait for it). Off by default: moto's server (werkzeug's)
+    closes the connection after every response, so each request would pay a second round
+    trip that S3, which keeps connections alive for the client's pool, does not charge.
+    Without it a request costs one round trip however the server treats connections.
+
+    At most ``window_bytes`` per direction and connection wait in the delay line, like a
+    TCP window; the default is far above what the benchmark's links carry in one delay,
+    so it never limits them.
+
+    One asyncio loop in one background thread relays every connection (the daemon opens up
+    to 64): per connection and direction, a task reads and a task writes what is due."""
+
+    CHUNK = 64 * 1024
+
+    def __init__(
+        self,
+        target: tuple[str, int],
+        latency_s: float,
+        *,
+        handshake: bool = False,
+        window_bytes: int = 8 << 20,
+    ) -> None:
+        if latency_s < 0:
+            raise ValueError(f"latency must not be negative, not {latency_s}")
+        self.target = target
+        self.latency_s = latency_s
+        self.handshake = handshake
+        self.window_bytes = window_bytes
+        self.port = 0
+        self.connections = 0  # accepted so far
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._failed: BaseException | None = None
+        self._stopping: asyncio.Event | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._thread = threading.Thread(target=self._run, name="delaying-proxy", daemon=True)
+
+    def start(self) -> DelayingProxy:
+        """Listen (on a free port, ``self.port``) and relay in the background."""
+        self._thread.start()
+        self._ready.wait(10)
+        if self._failed is not None:
+            raise RuntimeError(f"delaying proxy failed to start: {self._failed}")
+        if not self.port:
+            raise RuntimeError("delaying proxy did not start within 10 s")
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting, close every relayed connection, end the thread."""
+        if self._thread.is_alive() and self._stopping is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already closed
+                self._loop.call_soon_threadsafe(self._stopping.set)
+        self._thread.join(10)
+
+    def __enter__(self) -> DelayingProxy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        try:
+            self._loop.run_until_complete(self._serve())
+        except BaseException as exc:  # reported by start(), or lost at exit
+            self._failed = exc
+        finally:
+            self._ready.set()
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        self._stopping = asyncio.Event()
+        server = await asyncio.start_server(self._accepted, "127.0.0.1", 0)
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        try:
+            await self._stopping.wait()
+        finally:
+            server.close()
+            for task in list(self._handlers):
+                task.cancel()
+            if self._handlers:
+                await asyncio.wait(list(self._handlers), timeout=5)
+
+    async def _accepted(
+        self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter
+    ) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self.connections += 1
+        opens_at = self._loop.time() + (2 * self.latency_s if self.handshake else 0.0)
+        try:
+            await self._relay(c_reader, c_writer, opens_at)
+        except asyncio.CancelledError:
+            pass  # stop(): end quietly (a cancelled callback task is logged as an error)
+        finally:
+            self._handlers.discard(task)
+
+    async def _relay(
+        self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter, opens_at: float
+    ) -> None:
+        s_writer: asyncio.StreamWriter | None = None
+        try:
+            s_reader, s_writer = await asyncio.open_connection(*self.target)
+            for writer in (c_writer, s_writer):
+                sock = writer.get_extra_info("socket")
+                if sock is not None:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._direction(c_reader, s_writer, opens_at))
+                tg.create_task(self._direction(s_reader, c_writer, 0.0))
+        except* (OSError, asyncio.IncompleteReadError):
+            pass  # either side reset or refused: drop the connection, as a link would
+        finally:
+            for w in (c_writer, s_writer):
+                if w is not None:
+                    w.close()
+
+    async def _direction(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, opens_at: float
+    ) -> None:
+        """Relay one direction through the delay line; EOF travels (delayed) as well."""
+        line: collections.deque[tuple[float, bytes]] = collections.deque()
+        arrived, drained = asyncio.Event(), asyncio.Event()
+        queued = 0
+
+        async def receive() -> None:
+            nonlocal queued
+            while True:
+                while queued >= self.window_bytes:
+                    drained.clear()
+                    await drained.wait()
+                data = await reader.read(self.CHUNK)
+                due = max(self._loop.time(), opens_at) + self.latency_s
+                line.append((due, data))
+                queued += len(data)
+                arrived.set()
+                if not data:
+                    return
+
+        async def send() -> None:
+            nonlocal queued
+            while True:
+                while not line:
+                    arrived.clear()
+                    await arrived.wait()
+                wait = line[0][0] - self._loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                # Everything due by now goes in one write.
+                now, out, eof = self._loop.time(), [], False
+                while line and line[0][0] <= now and not eof:
+                    _, data = line.popleft()
+                    out.append(data)
+                    eof = not data
+                nbytes = sum(map(len, out))
+                queued -= nbytes
+                drained.set()
+                if nbytes:
+                    writer.write(b"".join(out))
+                    await writer.drain()
+                if eof:
+                    if writer.can_write_eof():
+                        writer.write_eof()  # half-close, as the sender did
+                    return
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(receive())
+            tg.create_task(send())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -452,6 +721,7 @@ def _proxy_s3(
         if populate is not None:
             populate(direct)  # straight to moto: uploads skip the proxy
         unshaped = measure_mbit(direct, probe_bytes)
+        unshaped_request_ms = measure_request_ms(direct)
         rate = rate_mbit * 1e6 / 8
         proxy = RateLimitedProxy(("127.0.0.1", port), rate, burst_bytes=32 * 1024).start()
         url = f"http://127.0.0.1:{proxy.port}"
@@ -465,6 +735,7 @@ def _proxy_s3(
             ),
         )
         s3.unshaped_mbit = unshaped
+        s3.unshaped_request_ms = unshaped_request_ms
         s3.measured_mbit = measure_mbit(url, probe_bytes)
         yield s3
     finally:
@@ -477,9 +748,12 @@ def _proxy_s3(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Set up a shaped endpoint, measure a download through it, tear it down."""
-    p = argparse.ArgumentParser(description="Check rate shaping of an S3 endpoint here.")
+    """Set up a shaped endpoint, measure a download and requests through it, tear it down."""
+    p = argparse.ArgumentParser(description="Check the shaping of an S3 endpoint here.")
     p.add_argument("--rate", type=float, default=64.0, help="Mbit/s per direction (default 64)")
+    p.add_argument(
+        "--latency-ms", type=float, default=0.0, help="one-way delay, ms (default 0: none)"
+    )
     p.add_argument("--method", choices=("auto", "netns", "proxy"), default="auto")
     p.add_argument("--probe", type=int, default=8_000_000, help="probe object bytes")
     p.add_argument("--hold", type=float, default=0.0, help="seconds to keep it up afterwards")
@@ -489,12 +763,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
-    with shaped_s3(args.rate, method=args.method, probe_bytes=args.probe) as s3:
+    with shaped_s3(
+        args.rate, latency_ms=args.latency_ms, method=args.method, probe_bytes=args.probe
+    ) as s3:
         print(f"{s3.method}: {s3.detail}")
         print(
             f"probe download of {args.probe / 1e6:.1f} MB: {s3.measured_mbit:.1f} Mbit/s "
             f"({s3.measured_mbit / args.rate:.0%} of the {args.rate:g} Mbit/s limit); "
             f"unshaped {s3.unshaped_mbit:.0f} Mbit/s"
+        )
+        print(
+            f"a HEAD request: {s3.request_ms:.1f} ms "
+            f"(2 x {args.latency_ms:g} ms delay configured); unshaped "
+            f"{s3.unshaped_request_ms:.1f} ms"
         )
         time.sleep(args.hold)
     return 0

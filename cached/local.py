@@ -15,7 +15,7 @@ import tarfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from cached_client.errors import DaemonUnavailable
 from cached_client.protocol import Op
@@ -82,13 +82,13 @@ class DaemonProcess:
         self.env = {**base, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> DaemonProcess:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self, timeout_s: float = 60.0) -> DaemonProcess:
+    def start(self, timeout_s: float = 60.0) -> Self:
         """Start it and wait until it answers a handshake."""
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
