@@ -454,13 +454,17 @@ def log(line: str) -> None:
     print(line, flush=True)
 
 
-def start_run(title: str) -> dict[str, Any]:
-    """Print the title, the machine and the command; returns the machine description."""
+def start_run(name: str, title: str) -> tuple[dict[str, Any], float]:
+    """Begin a benchmark run: exit cleanly on SIGTERM, print the title, the machine and the
+    command. Returns the result document's head (``benchmark``, ``machine``, ``argv``)
+    and the start time (``time.perf_counter``) for :func:`finish_run`."""
+    exit_on_sigterm()
+    started = time.perf_counter()
     info = machine()
     log(title)
     log(machine_line(info))
     log(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
-    return info
+    return {"benchmark": name, "machine": info, "argv": sys.argv}, started
 
 
 def plan(args: Any) -> tuple[dict[int, int], int]:

@@ -544,14 +544,10 @@ def _names(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    common.exit_on_sigterm()
-    started = time.perf_counter()
+    head, started = common.start_run("epochs", "cached epochs benchmark (a rate-shaped S3 store)")
     log = common.log
-    info = common.start_run("cached epochs benchmark (a rate-shaped S3 store)")
     doc: dict[str, Any] = {
-        "benchmark": "epochs",
-        "machine": info,
-        "argv": sys.argv,
+        **head,
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "policy", "scenario")},
     }
     doc["settings"]["out"] = str(args.out)

@@ -231,14 +231,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    common.exit_on_sigterm()
-    started = time.perf_counter()
+    head, started = common.start_run("serve", "cached serve benchmark")
     log = common.log
-    info = common.start_run("cached serve benchmark")
     doc: dict[str, Any] = {
-        "benchmark": "serve",
-        "machine": info,
-        "argv": sys.argv,
+        **head,
         "settings": {
             "shards": args.shards,
             "total_bytes": args.total,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -107,15 +106,13 @@ def measure_set(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    common.exit_on_sigterm()
-    started = time.perf_counter()
+    head, started = common.start_run(
+        "transport", "cached transport benchmark: ipc:// vs tcp://127.0.0.1"
+    )
     log = common.log
-    info = common.start_run("cached transport benchmark: ipc:// vs tcp://127.0.0.1")
     counts, capacity = common.plan(args)
     doc: dict[str, Any] = {
-        "benchmark": "transport",
-        "machine": info,
-        "argv": sys.argv,
+        **head,
         "settings": {
             "shards": args.shards,
             "total_bytes": args.total,
