@@ -7,6 +7,7 @@ Run the benchmarks as scripts (``python bench/serve.py``); they put the reposito
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as dt
 import json
@@ -486,3 +487,43 @@ def finish_run(name: str, doc: dict[str, Any], started: float, out_dir: Path) ->
         f"\nwrote {out} ({doc['elapsed_s']:.0f}s in all; load average at the end "
         f"{' '.join(str(x) for x in doc['loadavg_at_end'])})"
     )
+
+
+SHARD_SET_SIZES = ("100KB", "1KB")
+
+
+def shard_set_parser(doc: str | None, small_help: str) -> argparse.ArgumentParser:
+    """The options every shard-set benchmark takes (``serve``, ``transport``): sizes,
+    repeats, output. Resolve them with :func:`shard_set_args`."""
+    p = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--small", action="store_true", help=small_help)
+    p.add_argument("--shards", type=int, help="shards per shard set (default 64; --small 8)")
+    p.add_argument("--total", help="sample payload per shard set (default 256MiB; --small 2MiB)")
+    p.add_argument(
+        "--sample-size",
+        action="append",
+        default=[],
+        help="sample size(s), repeatable or comma-separated (default 100KB,1KB)",
+    )
+    p.add_argument(
+        "--max-samples",
+        type=int,
+        default=32768,
+        help="cap on samples per shard set, 0 for none (default 32768: the 1 KB set is 32 MiB)",
+    )
+    p.add_argument("--batch-size", type=int, default=64, help="FastLoader batch size (default 64)")
+    p.add_argument("--out", type=Path, default=OUT_DIR, help="where the JSON goes")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    return p
+
+
+def shard_set_args(p: argparse.ArgumentParser, argv: Sequence[str] | None, repeats: int) -> Any:
+    """Parse and fill in the defaults (``--small`` picks the CI sizes and one repeat)."""
+    args = p.parse_args(argv)
+    args.shards = args.shards or (8 if args.small else 64)
+    args.total = parse_size(args.total or ("2MiB" if args.small else "256MiB"))
+    args.sample_sizes = parse_sizes(args.sample_size or SHARD_SET_SIZES)
+    args.repeats = args.repeats or (1 if args.small else repeats)
+    return args

@@ -43,10 +43,6 @@ if __package__ in (None, ""):
 
 from bench import common
 from bench.common import Result, ShardSet
-from cached.config import parse_size
-
-DEFAULT_SIZES = ("100KB", "1KB")
-
 
 # -- one pass of each kind ----------------------------------------------------------------------
 
@@ -191,40 +187,14 @@ def _pinned() -> bool:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--small", action="store_true", help="tiny sizes for CI: 8 shards x 2 MiB, 1 repeat"
-    )
-    p.add_argument("--shards", type=int, help="shards per shard set (default 64; --small 8)")
-    p.add_argument("--total", help="sample payload per shard set (default 256MiB; --small 2MiB)")
-    p.add_argument(
-        "--sample-size",
-        action="append",
-        default=[],
-        help="sample size(s), repeatable or comma-separated (default 100KB,1KB)",
-    )
-    p.add_argument(
-        "--max-samples",
-        type=int,
-        default=32768,
-        help="cap on samples per shard set, 0 for none (default 32768: the 1 KB set is 32 MiB)",
-    )
+    p = common.shard_set_parser(__doc__, "tiny sizes for CI: 8 shards x 2 MiB, 1 repeat")
     p.add_argument(
         "--repeats", type=int, help="timed passes per configuration (default 3; --small 1)"
     )
     p.add_argument(
         "--workers", action="append", default=[], help="DataLoader workers (default 0,1,2)"
     )
-    p.add_argument("--batch-size", type=int, default=64, help="FastLoader batch size (default 64)")
-    p.add_argument("--out", type=Path, default=common.OUT_DIR, help="where the JSON goes")
-    p.add_argument("--keep", action="store_true", help="keep the temporary directory")
-    args = p.parse_args(argv)
-    args.shards = args.shards or (8 if args.small else 64)
-    args.total = parse_size(args.total or ("2MiB" if args.small else "256MiB"))
-    args.sample_sizes = common.parse_sizes(args.sample_size or DEFAULT_SIZES)
-    args.repeats = args.repeats or (1 if args.small else 3)
+    args: argparse.Namespace = common.shard_set_args(p, argv, repeats=3)
     args.workers = common.parse_ints(args.workers or ["0,1,2"])
     return args
 
