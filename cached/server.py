@@ -293,6 +293,9 @@ class Server:
         assert shard.index is not None
         return {
             "url": shard.url,
+            # Once per shard: lets a client that never waited long enough to ping notice
+            # a restart (and tell the new daemon its plan again).
+            "instance": self.instance,
             "samples": len(shard.index.samples),
             "size": shard.index.size_bytes,
             "payload": shard.index.payload_bytes,

@@ -77,6 +77,7 @@ class Fault:
     offset: int = 0
     drop_bytes: int = 1
     hard: bool = False
+    path: str | None = None  # only requests whose path contains this
 
 
 @dataclass(frozen=True)
@@ -138,12 +139,24 @@ class FaultProxy:
         offset: int = 0,
         drop_bytes: int = 1,
         hard: bool = False,
+        path: str | None = None,
     ) -> None:
-        """Queue ``kind`` for the next ``times`` requests with ``method`` (None: any)."""
+        """Queue ``kind`` for the next ``times`` requests with ``method`` (None: any) and,
+        if given, a path containing ``path``."""
         if kind not in _KINDS:
             raise ValueError(f"unknown fault {kind!r}; known: {', '.join(_KINDS)}")
         fault = Fault(
-            kind, times, method, status, after_bytes, linger_s, delay_s, offset, drop_bytes, hard
+            kind,
+            times,
+            method,
+            status,
+            after_bytes,
+            linger_s,
+            delay_s,
+            offset,
+            drop_bytes,
+            hard,
+            path,
         )
         with self._lock:
             self._faults.append(fault)
@@ -164,10 +177,12 @@ class FaultProxy:
         with self._lock:
             return [s for s in self.seen if method is None or s.method == method]
 
-    def _take(self, method: str) -> Fault | None:
+    def _take(self, method: str, path: str) -> Fault | None:
         with self._lock:
             for fault in self._faults:
-                if fault.method is None or fault.method == method:
+                if (fault.method is None or fault.method == method) and (
+                    fault.path is None or fault.path in path
+                ):
                     fault.times -= 1
                     if fault.times <= 0:
                         self._faults.remove(fault)
@@ -206,7 +221,7 @@ class FaultProxy:
                 self.in_flight -= 1
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
-        fault = self._take(request.method)
+        fault = self._take(request.method, request.path)
         with self._lock:
             self.seen.append(
                 Seen(

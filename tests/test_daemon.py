@@ -322,12 +322,15 @@ def test_client_resumes_at_the_next_sample_after_a_daemon_crash(
     expected = [f"s{s:04d}-{i:05d}" for s in range(3) for i in range(20)]
     with FaultProxy.start(s3_server.endpoint_url) as proxy:
         config, socket = serve_config(tmp_path, proxy.endpoint_url)
+        # Demand only: the prefetcher would otherwise fetch shard 2 before the fault.
+        with config.open("a") as toml:
+            toml.write("\n[prefetch]\nlookahead = 0\n")
         first = ProcessDaemon(config, socket).start()
         second = ProcessDaemon(config, socket)
         try:
+            proxy.inject("delay", delay_s=3.0, path="shard-0002")  # its download hangs a while
             it = iter(CachedDataset(urls, socket=socket))
             keys = [next(it)["__key__"] for _ in range(25)]  # into shard 1
-            proxy.inject("delay", delay_s=3.0)  # shard 2's download will hang a while
             # Consume the rest of shard 1 while the open of shard 2 waits, then crash.
             keys += [next(it)["__key__"] for _ in range(15)]
             killer = threading.Timer(1.0, lambda: first.stop(signal.SIGKILL))
@@ -341,6 +344,8 @@ def test_client_resumes_at_the_next_sample_after_a_daemon_crash(
             assert time.monotonic() - started < 10
             killer.join()
             restarter.join()
+            # The reader's plan (this epoch and the next) was told to the new daemon too.
+            assert [p["shards"] for p in second.status()["plans"]] == [6]
         finally:
             first.stop()
             if second.proc is not None:

@@ -59,12 +59,16 @@ def announce(conn: Connection, plan: str, urls: Sequence[str], job: str = "") ->
     then the next), so it prefetches ahead and evicts what is needed last. Reads then move
     the cursor (``pipelined_reads(plan=...)``). Returns False when the daemon does not know
     plans (an older daemon): reading works the same, without the lookahead."""
+    header: Header = {"op": Op.PLAN, "plan": plan, "urls": list(urls), "cursor": 0, "job": job}
     try:
-        conn.request({"op": Op.PLAN, "plan": plan, "urls": list(urls), "cursor": 0, "job": job})
+        conn.request(header)
     except RemoteError as exc:
         if exc.code != ErrorCode.BAD_REQUEST or "unknown op" not in str(exc):
             raise
         return False
+    # A daemon that restarts loses plans; the connection tells the new one again (the
+    # reads that follow move the cursor back to where the reader is).
+    conn.keep(f"plan/{plan}", header)
     return True
 
 

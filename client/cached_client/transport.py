@@ -83,6 +83,8 @@ class Connection:
         self._pending: dict[int, Header] = {}  # sent, not yet answered: re-sent on reconnect
         self._early: dict[int, tuple[Header, list[zmq.Frame]]] = {}
         self._instance: Any = None  # the daemon's start id, from its hello
+        # State the daemon holds for us (plans): told again to a daemon that restarted.
+        self._standing: dict[str, Header] = {}
 
     def _unreachable(self) -> DaemonUnavailable:
         return DaemonUnavailable(
@@ -123,11 +125,14 @@ class Connection:
         Requests are idempotent (reads address samples by URL and index), so a resent
         one is answered exactly as the original would have been.
         """
+        previous = self._instance
         self.close()
         self.open()
         assert self._sock is not None
         for header in self._pending.values():
             self._sock.send(encode(header))
+        if self._instance != previous:
+            self._resend_standing()
 
     def send(self, header: Header, *, reply: bool = True) -> int:
         """Send a request without waiting; returns its id.
@@ -173,13 +178,15 @@ class Connection:
                 header, frames = self._recv_one()
                 last_heard = time.monotonic()
                 rid = header.get("id")
+                instance = header.get("instance")
+                if instance is not None and instance != self._instance:
+                    # A ping's or an open's reply from a daemon that restarted under us.
+                    self._restarted(instance)
                 if rid == request_id:
                     self._pending.pop(request_id, None)
                     return header, frames
                 if rid == ping_id:
                     ping_id = None
-                    if header.get("instance") != self._instance:
-                        self._restarted(header.get("instance"))
                 else:
                     self.stash(header, frames)
                 continue
@@ -211,6 +218,18 @@ class Connection:
         assert self._sock is not None
         for header in self._pending.values():
             self._sock.send(encode(header))
+        self._resend_standing()
+
+    def keep(self, key: str, header: Header) -> None:
+        """Remember a request whose effect lives in the daemon (a plan), to send it again
+        to a daemon that restarted; a newer one under the same ``key`` replaces it."""
+        self._standing[key] = {k: v for k, v in header.items() if k != "id"}
+
+    def _resend_standing(self) -> None:
+        assert self._sock is not None
+        for header in self._standing.values():
+            # A fresh id nobody waits for: the reply is dropped when it arrives.
+            self._sock.send(encode({**header, "id": next(self._ids)}))
 
     def _reconnect_within(self, budget_s: float) -> None:
         give_up = time.monotonic() + budget_s
