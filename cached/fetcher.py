@@ -187,11 +187,9 @@ class Fetcher:
             priority = DEMAND
         deadline = 0.0
         while True:
-            task = self._inflight.get(sid)
-            if task is None or task.done():  # done: its callback has not cleared it yet
-                task = self._start(sid, info, priority)
-            elif priority == DEMAND:
-                # A reader waits for a download queued as a prefetch: it goes first now.
+            task = self._join(sid, info, priority)
+            if priority == DEMAND:
+                # A reader waits: a download queued as a prefetch goes first now.
                 self._slots.promote(sid, DEMAND)
             # Shield: one waiter giving up (a client gone) must not cancel the shared download.
             try:
@@ -237,17 +235,21 @@ class Fetcher:
     async def prefetch(self, info: ObjectInfo) -> bool:
         """Fetch an object ahead of its readers, if the eviction policy admits it (it
         would displace only shards needed later). Returns whether the shard is resident."""
-        sid = shard_id(info)
-        if self.hot.get(sid, access=False) is not None:
+        if self.resident(info) is not None:
             return True
-        task = self._inflight.get(sid)
-        if task is None or task.done():
-            task = self._start(sid, info, PREFETCH)
+        task = self._join(shard_id(info), info, PREFETCH)
         try:
             await asyncio.shield(task)
         except NotAdmitted:
             return False
         return True
+
+    def _join(self, sid: str, info: ObjectInfo, priority: int) -> asyncio.Task[Shard]:
+        """The download of ``sid`` under way, or a new one at ``priority``."""
+        task = self._inflight.get(sid)
+        if task is None or task.done():  # done: its callback has not cleared it yet
+            return self._start(sid, info, priority)
+        return task
 
     def _start(self, sid: str, info: ObjectInfo, priority: int) -> asyncio.Task[Shard]:
         task = asyncio.create_task(self._fetch(sid, info, priority), name=f"fetch {info.url}")

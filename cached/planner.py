@@ -59,10 +59,6 @@ class Plan:
         i = bisect.bisect_left(positions, self.cursor)
         return positions[i] if i < len(positions) else None
 
-    def remaining(self) -> int:
-        """Shards from the cursor to the end of the plan."""
-        return max(0, len(self.urls) - self.cursor)
-
 
 class Planner:
     """Every live stream's plan. Not thread-safe: the daemon calls it from its event loop.
@@ -125,19 +121,6 @@ class Planner:
             plan.rate = RATE_ALPHA * observed + (1 - RATE_ALPHA) * old
             plan._moved_at, plan._moved_from = now, plan.cursor
         self._changed()
-
-    def touch(self, key: str) -> None:
-        """The stream is alive (it sent a request) even if its cursor did not move."""
-        plan = self._plans.get(key)
-        if plan is not None:
-            plan.seen = self.clock()
-
-    def drop(self, key: str) -> None:
-        """Forget stream ``key``'s plan."""
-        plan = self._plans.pop(key, None)
-        if plan is not None:
-            self._unindex(plan)
-            self._changed()
 
     def expire(self) -> int:
         """Drop plans whose stream went quiet for ``timeout_s``; returns how many."""

@@ -89,14 +89,10 @@ class Prefetcher:
 
     async def fill(self) -> None:
         """One pass over the window: start the prefetches it needs, up to the slot limit."""
-        budget = self.lookahead_bytes
         lead = math.inf
         now = time.monotonic()
         self._failed = {url: until for url, until in self._failed.items() if until > now}
-        for when, url, info in await self._looked_up(self.planner.upcoming()):
-            if budget <= 0:
-                break
-            budget -= info.size
+        for when, url, info in await self._window(self.planner.upcoming()):
             if self.fetcher.resident(info) is not None:
                 continue
             lead = min(lead, when)
@@ -107,11 +103,12 @@ class Prefetcher:
             self._active[url] = asyncio.create_task(self._prefetch(info), name=f"prefetch {url}")
         self.lead_s = lead
 
-    async def _looked_up(
+    async def _window(
         self, upcoming: Iterator[tuple[float, str]]
     ) -> list[tuple[float, str, ObjectInfo]]:
-        """The window's shards with their sizes: HEADs (once per URL) in batches, not one
-        round trip after another, until the lookahead budget is covered."""
+        """The planned shards, soonest first, until their bytes reach the lookahead (the
+        shard that crosses it included), with their sizes: HEADs (once per URL) go out in
+        batches, not one round trip after another."""
         out: list[tuple[float, str, ObjectInfo]] = []
         budget = self.lookahead_bytes
         while budget > 0:
@@ -120,6 +117,8 @@ class Prefetcher:
                 break
             infos = await asyncio.gather(*(self.fetcher.info(url) for _, url in batch))
             for (when, url), info in zip(batch, infos, strict=True):
+                if budget <= 0:
+                    break
                 out.append((when, url, info))
                 budget -= info.size
         return out

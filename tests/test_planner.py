@@ -71,20 +71,22 @@ def test_a_replaced_plan_keeps_its_rate_and_a_quiet_one_expires() -> None:
     assert p.plans()[0].rate == pytest.approx(1.0)
     p.update("b", ["w"])
     clock.now = 11.0
-    p.touch("b")
+    p.advance("b", 0)  # a read where it already is: alive, not moved
     clock.now = 13.0
     assert p.expire() == 1  # "a" was quiet since 2.0; "b" spoke at 11.0
     assert [plan.key for plan in p.plans()] == ["b"]
 
 
 def test_listeners_hear_every_change() -> None:
-    p = Planner(clock=Clock())
+    clock = Clock()
+    p = Planner(timeout_s=10, clock=clock)
     heard: list[int] = []
     p.on_change(lambda: heard.append(p.version))
     p.update("a", ["u"])
     p.advance("a", 1)
     p.advance("a", 1)  # no move: no change
-    p.drop("a")
+    clock.now = 20.0
+    p.expire()
     assert heard == [1, 2, 3]
 
 

@@ -27,7 +27,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -243,36 +243,36 @@ class HotTier:
     def _admitted_victims(self, url: str, need: int) -> list[Shard] | None:
         """The shards to evict, in policy order, so ``need`` bytes fit without evicting
         one the policy does not admit; None when that is not possible."""
-        short = self._used + need - self.capacity_bytes
         chosen: list[Shard] = []
-        for shard_id in self.policy.victims():
-            if short <= 0 and not self._disk_short(need - sum(s.reserved_bytes for s in chosen)):
+        freed = 0
+        for shard in self._evictable():
+            if not self._short(need - freed):
                 return chosen
-            shard = self._shards.get(shard_id)
-            if shard is None or shard.state is not ShardState.READY or shard.pins:
-                continue
-            if not self.policy.admits(url, shard_id):
-                # Victims come furthest-needed first: the rest are needed sooner still.
+            if not self.policy.admits(url, shard.shard_id):
+                # Victims come in eviction order: the policy wants the rest kept even more.
                 return None
             chosen.append(shard)
-            short -= shard.reserved_bytes
-        if short <= 0 and not self._disk_short(need - sum(s.reserved_bytes for s in chosen)):
-            return chosen
-        return None
+            freed += shard.reserved_bytes
+        return None if self._short(need - freed) else chosen
 
     def _make_room(self, need: int) -> bool:
         """Evict in policy order until ``need`` more bytes fit under the capacity and above
         the disk's free-space floor. False when only pinned or in-flight shards are left."""
         if not self._short(need):
             return True
-        # One ranking for the whole pass: the policy's order does not change as we evict.
+        for shard in self._evictable():
+            self._evict(shard)
+            if not self._short(need):
+                return True
+        return False
+
+    def _evictable(self) -> Iterator[Shard]:
+        """READY shards no reader holds, in the policy's eviction order. One ranking for
+        the whole pass: the order of the others does not change as some are evicted."""
         for shard_id in self.policy.victims():
             shard = self._shards.get(shard_id)
             if shard is not None and shard.state is ShardState.READY and shard.pins == 0:
-                self._evict(shard)
-                if not self._short(need):
-                    return True
-        return False
+                yield shard
 
     def _short(self, need: int) -> bool:
         return self._used + need > self.capacity_bytes or self._disk_short(need)

@@ -156,7 +156,7 @@ class CachedDataset(IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         epoch = self.epoch
         stream, _ = self.stream_position()
-        samples: Iterator[Sample] = self._samples(self.parts(epoch))
+        samples: Iterator[Sample] = self._samples(epoch, stream)
         if self.shuffle:
             rng = random.Random(f"samples/{self.seed}/{epoch}/{stream}")
             samples = partition.buffered_shuffle(samples, self.shuffle_buffer, rng)
@@ -166,13 +166,12 @@ class CachedDataset(IterableDataset[Any]):
             for sample in samples:
                 yield self.decode(sample)
 
-    def _samples(self, parts: list[partition.Part]) -> Iterator[Sample]:
-        spans = [Span(self.urls[p.shard], p.start, p.stop) for p in parts]
+    def _samples(self, epoch: int, stream: int) -> Iterator[Sample]:
+        spans = [Span(self.urls[p.shard], p.start, p.stop) for p in self.parts(epoch)]
         conn, sid = self.connection(), self._stream_id()
         # The plan: this epoch's shards, then the next epoch's, so the daemon warms the hot
         # tier across the epoch boundary and knows what not to evict.
-        stream, _ = self.stream_position()
-        ahead = [self.urls[p.shard] for p in self.parts(self.epoch + 1)]
+        ahead = [self.urls[p.shard] for p in self.parts(epoch + 1)]
         key = f"{self._job}/r{self.rank}/s{stream}"
         plan = key if announce(conn, key, [s.url for s in spans] + ahead, self._job) else None
         for url, raw in read_spans(conn, spans, sid, inflight=self.inflight, plan=plan):
