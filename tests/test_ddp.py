@@ -9,12 +9,14 @@ for a rank that has run out (which would hang until the collective times out).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +36,7 @@ if TYPE_CHECKING:  # the spawned ranks import this module: keep it light
 pytestmark = pytest.mark.slow
 
 WORLD = 4
+FAST_WORLD = 3  # FastLoader ranks: one reader each, no DataLoader workers
 WORKERS = 2
 BATCH = 4
 COUNTS = [5, 40, 12, 7, 33, 21, 9]  # uneven: 127 samples
@@ -98,19 +101,29 @@ class Job:
     equal: bool
 
 
-def _rank_main(rank: int, job: Job) -> None:
-    """One training process: read an epoch through this node's daemon; in equal mode, a
-    DDP forward/backward per batch. Writes what it saw to ``out/rank{rank}.json``."""
+@contextmanager
+def process_group(rank: int, world: int, init_file: str) -> Iterator[None]:
+    """This process as ``rank`` of a gloo group of ``world``; a barrier on the way out."""
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
         "gloo",
-        init_method=f"file://{job.init_file}",
+        init_method=f"file://{init_file}",
         rank=rank,
-        world_size=WORLD,
+        world_size=world,
         timeout=timedelta(seconds=60),
     )
     try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_main(rank: int, job: Job) -> None:
+    """One training process: read an epoch through this node's daemon; in equal mode, a
+    DDP forward/backward per batch. Writes what it saw to ``out/rank{rank}.json``."""
+    with process_group(rank, WORLD, job.init_file):
         # rank and world_size come from torch.distributed.
         ds = CachedDataset(
             job.pattern,
@@ -156,25 +169,70 @@ def _rank_main(rank: int, job: Job) -> None:
             result["gathered"] = everyone
         result.update(batches=batches, keys=keys)
         Path(job.out, f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
-def run_ranks(cluster: Cluster, tmp_path: Path, *, equal: bool) -> list[dict[str, Any]]:
-    """Spawn the 4 ranks; fail (after killing them) if they do not all finish in time."""
+def _fast_rank_main(rank: int, job: Job) -> None:
+    """One training process on the fast path: ``FastLoader(equal_batches=True)`` with rank
+    and world size from torch.distributed, a DDP step per batch."""
+    from cached_client import FastLoader
+
+    with process_group(rank, FAST_WORLD, job.init_file):
+        loader = FastLoader(
+            job.pattern,
+            batch_size=BATCH,
+            exts=["bin"],
+            socket=job.sockets[rank],
+            shuffle=True,
+            seed=17,
+            equal_batches=job.equal,
+        )
+        loader.set_epoch(1)
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        keys: list[str] = []
+        digests: dict[str, str] = {}
+        batches = 0
+        for batch in loader:
+            x = batch.view("bin")[:, :4].to(torch.float32)
+            loss = model(x / 255).square().mean()
+            opt.zero_grad()
+            loss.backward()  # all-reduce: waits for every rank's batch
+            opt.step()
+            batches += 1
+            keys.extend(batch.keys)
+            data, offs = batch.data["bin"].numpy(), batch.offsets["bin"]
+            for i, key in enumerate(batch.keys):
+                digests[key] = hashlib.sha256(data[offs[i] : offs[i + 1]]).hexdigest()
+        result = {
+            "rank": rank,
+            "batches": batches,
+            "keys": keys,
+            "digests": digests,
+            "length": len(loader),
+            "weights": [p.detach().flatten().tolist() for p in model.parameters()],
+        }
+        Path(job.out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run_ranks(
+    cluster: Cluster, tmp_path: Path, *, equal: bool, fast: bool = False
+) -> list[dict[str, Any]]:
+    """Spawn the ranks (4 DataLoader ranks, or 3 FastLoader ranks); fail (after killing
+    them) if they do not all finish in time."""
+    world = FAST_WORLD if fast else WORLD
     ctx = tmp.start_processes(
-        _rank_main,
+        _fast_rank_main if fast else _rank_main,
         args=(
             Job(
                 pattern=cluster.pattern,
-                sockets=[cluster.socket_of(r) for r in range(WORLD)],
+                sockets=[cluster.socket_of(r) for r in range(world)],
                 init_file=str(tmp_path / "init"),
                 out=str(tmp_path),
                 equal=equal,
             ),
         ),
-        nprocs=WORLD,
+        nprocs=world,
         join=False,
         start_method="spawn",
     )
@@ -189,8 +247,8 @@ def run_ranks(cluster: Cluster, tmp_path: Path, *, equal: bool) -> list[dict[str
             if p.is_alive():
                 p.kill()
                 p.join(10)
-    assert [p.exitcode for p in ctx.processes] == [0] * WORLD
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert [p.exitcode for p in ctx.processes] == [0] * world
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 # -- the tests -------------------------------------------------------------------------------
@@ -237,3 +295,61 @@ def test_ddp_default_mode_exactly_once(cluster: Cluster, tmp_path: Path) -> None
     assert len(set(counts)) > 1, counts
     assert len({r["batches"] for r in ranks}) > 1
     assert sum(counts) == TOTAL
+
+
+def test_ddp_fast_loader_equal_batches(cluster: Cluster, tmp_path: Path) -> None:
+    """3 FastLoader ranks over uneven shards: equal batch counts, DDP steps in lockstep,
+    every sample intact and read once, only the remainder (< 3 samples) left out."""
+    from tests.daemon import dataset_shards
+
+    ranks = run_ranks(cluster, tmp_path, equal=True, fast=True)
+
+    each = TOTAL // FAST_WORLD
+    batches = -(-each // BATCH)
+    assert [r["batches"] for r in ranks] == [batches] * FAST_WORLD
+    assert [r["length"] for r in ranks] == [batches] * FAST_WORLD  # len(loader) agrees
+    assert [len(r["keys"]) for r in ranks] == [each] * FAST_WORLD
+    seen = [k for r in ranks for k in r["keys"]]
+    assert len(seen) == len(set(seen)) == TOTAL - TOTAL % FAST_WORLD
+    assert all(r["weights"] == ranks[0]["weights"] for r in ranks)
+    # Content: every member's bytes as written.
+    shards = dataset_shards(len(COUNTS), COUNTS)
+    expected = {
+        key: hashlib.sha256(body).hexdigest() for shard in shards for key, body in _bins(shard)
+    }
+    for r in ranks:
+        assert all(expected[k] == d for k, d in r["digests"].items())
+
+
+def test_ddp_fast_loader_uneven_without_equal_batches(cluster: Cluster, tmp_path: Path) -> None:
+    """The failure equal_batches prevents: whole shards per rank give unequal counts."""
+    counts = []
+    for rank in range(FAST_WORLD):
+        from cached_client import FastLoader
+
+        loader = FastLoader(
+            cluster.pattern,
+            batch_size=BATCH,
+            exts=["bin"],
+            socket=cluster.socket_of(rank),
+            shuffle=True,
+            seed=17,
+            rank=rank,
+            world_size=FAST_WORLD,
+        )
+        loader.set_epoch(1)
+        counts.append(sum(len(b) for b in loader))
+    assert sum(counts) == TOTAL
+    assert len(set(counts)) > 1, counts
+
+
+def _bins(shard: bytes) -> Iterator[tuple[str, bytes]]:
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(shard)) as tar:
+        for member in tar:
+            if member.name.endswith(".bin"):
+                fh = tar.extractfile(member)
+                assert fh is not None
+                yield member.name.split(".")[0], fh.read()

@@ -3,6 +3,7 @@
 - :class:`CachedDataset`: a torch ``IterableDataset`` for DataLoaders with workers.
 - :class:`FastLoader`: the fast path; batches straight into reusable (pinned) buffers.
 - :class:`DeviceLoader`, :class:`StallMeter`: batches to the GPU; time spent waiting.
+- :class:`CachedClientError`: the base of every error the client raises.
 
 Importing the package is cheap: torch is loaded only when one of these is first used, so
 the daemon (which shares :mod:`cached_client.protocol`) never imports torch.
@@ -13,17 +14,30 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import CachedClientError, DaemonUnavailable, NotATar, RemoteError, ShardNotFound
+from .errors import (
+    CachedClientError,
+    DaemonTimeout,
+    DaemonUnavailable,
+    DeviceUnavailable,
+    NotATar,
+    ProtocolError,
+    RemoteError,
+    ShardNotFound,
+    StaleBatch,
+    UsageError,
+    VersionMismatch,
+)
 
 if TYPE_CHECKING:
+    from .buffers import Batch
     from .dataset import CachedDataset
     from .device import DeviceLoader, StallMeter
-    from .fast import Batch, FastLoader
+    from .fast import FastLoader
 
 _LAZY = {
     "CachedDataset": "dataset",
     "FastLoader": "fast",
-    "Batch": "fast",
+    "Batch": "buffers",
     "DeviceLoader": "device",
     "StallMeter": "device",
 }
@@ -32,13 +46,19 @@ __all__ = [
     "Batch",
     "CachedClientError",
     "CachedDataset",
+    "DaemonTimeout",
     "DaemonUnavailable",
     "DeviceLoader",
+    "DeviceUnavailable",
     "FastLoader",
     "NotATar",
+    "ProtocolError",
     "RemoteError",
     "ShardNotFound",
+    "StaleBatch",
     "StallMeter",
+    "UsageError",
+    "VersionMismatch",
 ]
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import partition
-from .reader import RawSample, Span, announce, read_spans, shard_length
+from .reader import RawSample, Span, announce, read_spans, shard_lengths
 from .transport import Connection, resolve_endpoint
 from .urls import expand_all
 
@@ -136,18 +136,20 @@ class CachedDataset(IterableDataset[Any]):
         """The shard ranges this reader reads in ``epoch`` (default: the current one)."""
         epoch = self.epoch if epoch is None else epoch
         stream, streams = self.stream_position()
-        order = partition.shard_order(
-            len(self.urls), shuffle=self.shuffle, seed=self.seed, epoch=epoch
+        return partition.reader_parts(
+            len(self.urls),
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch=epoch,
+            stream=stream,
+            streams=streams,
+            lengths=self.lengths if self.equal_batches else None,
         )
-        if not self.equal_batches:
-            return partition.by_shard(order, stream, streams)
-        return partition.by_sample(order, self.lengths(), stream, streams)
 
     def lengths(self) -> list[int]:
         """The number of samples of every shard (asks the daemon once per process)."""
         if self._lengths is None:
-            conn, sid = self.connection(), self._stream_id()
-            self._lengths = [shard_length(conn, url, sid) for url in self.urls]
+            self._lengths = shard_lengths(self.connection(), self.urls, self._stream_id())
         return self._lengths
 
     def _stream_id(self) -> str:

@@ -1,104 +1,164 @@
-"""Host buffers and the trip to the accelerator: pinned memory when there is one, plain
-memory otherwise; non-blocking copies on a side stream; a meter for data stalls."""
+"""The trip to the accelerator: checking the device, non-blocking copies on a side
+stream handed to the consumer's stream of the right device, and a meter for data stalls."""
 
 from __future__ import annotations
 
-import functools
-import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from typing import Any, TypeVar
 
 import torch
 
-log = logging.getLogger(__name__)
+from .buffers import Batch, host_buffer, pinned_memory_available
+from .errors import DeviceUnavailable
+
 T = TypeVar("T")
 
-
-@functools.cache
-def pinned_memory_available() -> bool:
-    """Whether page-locked host memory can be allocated here.
-
-    CPU-only torch raises on ``pin_memory=True``; then we use plain buffers and say so once.
-    """
-    try:
-        torch.empty(1, dtype=torch.uint8, pin_memory=True)
-    except RuntimeError as exc:
-        log.info("pinned memory unavailable (%s); using plain host buffers", exc)
-        return False
-    return True
+__all__ = [
+    "CopyStream",
+    "DeviceLoader",
+    "StallMeter",
+    "host_buffer",
+    "pinned_memory_available",
+    "require_device",
+    "to_device",
+]
 
 
-def host_buffer(nbytes: int) -> torch.Tensor:
-    """A flat uint8 host buffer, pinned when pinned memory is available."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned_memory_available())
+def require_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device`` that exists here; a CUDA device gets its index
+    (the current device for a bare ``"cuda"``). Raises :class:`DeviceUnavailable` (before
+    anything else happens) when CUDA is absent or the index is out of range."""
+    target = torch.device(device)
+    if target.type != "cuda":
+        return target
+    if not torch.cuda.is_available():
+        raise DeviceUnavailable(
+            f"CUDA is not available (torch {torch.__version__}"
+            f"{', a CPU-only build' if torch.version.cuda is None else ''}), so batches cannot "
+            f"go to {str(device)!r}; pass device=None to keep them on the host"
+        )
+    count = torch.cuda.device_count()
+    if target.index is not None and target.index >= count:
+        raise DeviceUnavailable(f"{target} does not exist: this node has {count} CUDA devices")
+    return target
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """A bare ``cuda`` as the device current now (resolved at first use, not construction:
+    DDP scripts often build loaders before ``torch.cuda.set_device``)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
-    """Move every tensor of a nested batch (dicts, lists, tuples) to ``device``."""
+    """Move every tensor of a nested batch (dicts, lists, tuples, namedtuples, and
+    FastLoader's :class:`Batch`) to ``device``; anything else is passed through."""
+    if isinstance(batch, Batch):
+        return batch.to(device, non_blocking)
     if isinstance(batch, torch.Tensor):
-        if device.type != "cpu" and not batch.is_pinned() and pinned_memory_available():
+        if (
+            device.type == "cuda"
+            and batch.device.type == "cpu"
+            and not batch.is_pinned()
+            and pinned_memory_available()
+        ):
             batch = batch.pin_memory()  # torch's caching host allocator reuses these blocks
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, dict):
-        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+        return type(batch)({k: to_device(v, device, non_blocking) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(to_device(v, device, non_blocking) for v in batch))
     if isinstance(batch, list | tuple):
         return type(batch)(to_device(v, device, non_blocking) for v in batch)
     return batch
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, Batch):
+        yield from batch.data.values()
+    elif isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, list | tuple):
+        for v in batch:
+            yield from _tensors(v)
+
+
+class CopyStream:
+    """Host-to-device copies on a side stream of one CUDA device, handed to the consumer.
+
+    :meth:`copy` queues a batch's copies on the side stream and returns the moved batch
+    with an event; :meth:`hand_over` makes the consumer's stream *of that device* (its
+    current stream, whatever device is current) wait for the event, and tells the caching
+    allocator that the consumer uses the memory (``record_stream``), so it is not reused
+    while the consumer's kernels still read it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+    def copy(self, batch: Any) -> tuple[Any, torch.cuda.Event]:
+        """``batch`` on the device, its copies queued; the event marks their end."""
+        with torch.cuda.stream(self.stream):
+            moved = to_device(batch, self.device, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self.stream)
+        return moved, event
+
+    def hand_over(self, moved: Any, event: torch.cuda.Event) -> Any:
+        """``moved``, safe to use on the consumer's stream of this device."""
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(event)
+        for t in _tensors(moved):
+            if t.device.type == "cuda":
+                t.record_stream(consumer)
+        return moved
 
 
 class DeviceLoader:
     """Wraps a loader of host batches; yields them on ``device``, ``depth`` copies ahead.
 
     On CUDA the copies run on a side stream with ``non_blocking=True`` from pinned memory,
-    and the compute stream waits on each batch's copy only when it takes that batch. On
-    the CPU it passes batches through.
+    and the consumer's stream of ``device`` waits on each batch's copy only when it takes
+    that batch. Batches may be tensors, dicts, lists, tuples, namedtuples or
+    :class:`~cached_client.FastLoader` batches (whose ring slots are reused only once their
+    copy is done). Elsewhere it moves batches synchronously.
+
+    Raises :class:`~cached_client.errors.DeviceUnavailable` at construction when the
+    device does not exist here (``"cuda"`` without CUDA).
     """
 
     def __init__(self, loader: Iterable[Any], device: str | torch.device, depth: int = 2) -> None:
         self.loader = loader
-        self.device = torch.device(device)
+        self.device = require_device(device)
         self.depth = max(1, depth)
 
     def __len__(self) -> int:
-        return len(self.loader)  # type: ignore[arg-type]
+        if not isinstance(self.loader, Sized):
+            name = type(self.loader).__name__
+            raise TypeError(f"DeviceLoader has no length: the {name} it wraps has none")
+        return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        if self.device.type != "cuda":
+        device = _with_index(self.device)
+        if device.type != "cuda":
             for batch in self.loader:
-                yield to_device(batch, self.device)
+                yield to_device(batch, device, non_blocking=False)
             return
-        stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        copies = CopyStream(device)
         queue: deque[tuple[Any, torch.cuda.Event]] = deque()
         for batch in self.loader:
-            with torch.cuda.stream(stream):
-                moved = to_device(batch, self.device, non_blocking=True)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(stream)
-            queue.append((moved, event))
+            queue.append(copies.copy(batch))
             if len(queue) > self.depth:
-                yield _take(*queue.popleft())
+                yield copies.hand_over(*queue.popleft())
         while queue:
-            yield _take(*queue.popleft())
-
-
-def _take(batch: Any, event: torch.cuda.Event) -> Any:
-    torch.cuda.current_stream().wait_event(event)
-    _record_stream(batch, torch.cuda.current_stream())
-    return batch
-
-
-def _record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
-    # The caching allocator must not reuse a batch's memory while the compute stream uses it.
-    if isinstance(batch, torch.Tensor):
-        batch.record_stream(stream)
-    elif isinstance(batch, dict):
-        for v in batch.values():
-            _record_stream(v, stream)
-    elif isinstance(batch, list | tuple):
-        for v in batch:
-            _record_stream(v, stream)
+            yield copies.hand_over(*queue.popleft())
 
 
 class StallMeter:

@@ -1,10 +1,18 @@
-"""Exceptions a training script may catch. Each maps from a daemon error code."""
+"""Exceptions a training script may catch. Every error the client raises derives from
+:class:`CachedClientError`, and each is also the standard exception it resembles
+(``DaemonUnavailable`` is a ``ConnectionError``, ``DaemonTimeout`` a ``TimeoutError``...), so
+code written against the standard types keeps working.
+
+Every class takes a single message argument: a DataLoader re-raises a worker's exception
+in the main process as ``type(exc)(message)``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
+from . import protocol
 from .protocol import ErrorCode
 
 
@@ -12,15 +20,35 @@ class CachedClientError(Exception):
     """Base of the client's errors."""
 
 
+class UsageError(CachedClientError, ValueError):
+    """An argument the client cannot work with (a bad URL, rank, batch size or view)."""
+
+
 class DaemonUnavailable(CachedClientError, ConnectionError):
     """The daemon does not answer at the endpoint."""
+
+
+class DaemonTimeout(CachedClientError, TimeoutError):
+    """The daemon is alive but did not answer a request in time."""
+
+
+class ProtocolError(CachedClientError, protocol.ProtocolError):
+    """The daemon sent something that does not follow the protocol (a bad header, a
+    payload frame of the wrong size or a missing one)."""
+
+
+class DeviceUnavailable(CachedClientError, RuntimeError):
+    """The device asked for does not exist here (e.g. ``"cuda"`` without CUDA)."""
+
+
+class StaleBatch(CachedClientError, RuntimeError):
+    """A host batch was used after the loader reused its buffers for a later batch."""
 
 
 class RemoteError(CachedClientError, RuntimeError):
     """The daemon answered with an error."""
 
-    # (message, code) and not (code, message): DataLoader re-raises a worker's exception
-    # in the main process as ``type(exc)(message)``.
+    # (message, code) and not (code, message): see the module's docstring.
     def __init__(self, message: str, code: str = "") -> None:
         super().__init__(message)
         self.code = code

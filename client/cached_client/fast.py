@@ -2,83 +2,32 @@
 straight into a ring of reusable (pinned) host buffers and yields batches as tensors.
 
 No DataLoader workers and no pickling: the daemon already does the I/O in parallel, and
-``recv_into`` writes each frame where the batch needs it. For data that needs no CPU
-decoding (raw or pre-decoded arrays, or data decoded on the GPU).
+the connection's in-place receive writes each frame where the batch needs it. For data
+that needs no CPU decoding (raw or pre-decoded arrays, or data decoded on the GPU).
+
+The rooms it stands on: :mod:`.partition` (who reads what), :mod:`.reader` (pipelined
+reads), :mod:`.transport` (the receive layer), :mod:`.buffers` (the ring and batch
+ownership) and :mod:`.device` (the copy to the GPU).
 """
 
 from __future__ import annotations
 
 import contextlib
-import random
 import uuid
 from collections.abc import Generator, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
-import zmq
 
 from . import partition
-from .device import host_buffer
-from .errors import check_reply
-from .protocol import Header
-from .reader import Span, announce, pipelined_reads
-from .transport import Connection, resolve_endpoint
+from .buffers import Batch, Ring, Slot, pinned_memory_available
+from .device import CopyStream, _with_index, require_device
+from .errors import ProtocolError, UsageError, check_reply
+from .reader import Span, announce, pipelined_reads, shard_lengths
+from .transport import Connection, Reply, resolve_endpoint
 from .urls import expand_all
 
-_MIN_BUFFER = 1 << 20
-
-
-@dataclass
-class Batch:
-    """One batch: per extension, the members' bytes packed end to end in one uint8 tensor.
-
-    ``offsets[ext]`` has ``len(keys) + 1`` entries: member ``i`` is
-    ``data[ext][offsets[ext][i]:offsets[ext][i + 1]]``. With fixed-size members,
-    :meth:`view` reshapes without a copy. Host tensors alias the loader's ring: they are
-    valid until ``ring`` more batches have been taken (copy them to keep them longer).
-    """
-
-    keys: list[str]
-    data: dict[str, torch.Tensor]
-    offsets: dict[str, list[int]]
-
-    def view(
-        self, ext: str, dtype: torch.dtype = torch.uint8, shape: Sequence[int] = ()
-    ) -> torch.Tensor:
-        """``data[ext]`` as ``[batch, *shape]`` of ``dtype``; the members must be equal in size."""
-        sizes = {b - a for a, b in zip(self.offsets[ext], self.offsets[ext][1:], strict=False)}
-        if len(sizes) > 1:
-            raise ValueError(f"members {ext!r} differ in size ({sorted(sizes)[:4]}...)")
-        return (
-            self.data[ext].view(dtype).reshape(len(self.keys), *shape)
-            if shape
-            else self.data[ext].view(dtype).reshape(len(self.keys), -1)
-        )
-
-
-@dataclass
-class _Slot:
-    """One ring entry: a growable host buffer per extension, and the copy that reads it."""
-
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    views: dict[str, np.ndarray[Any, np.dtype[np.uint8]]] = field(default_factory=dict)
-    event: Any = None  # torch.cuda.Event of the last device copy out of these buffers
-
-    def region(self, ext: str, at: int, size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        """Bytes ``at..at+size`` of the buffer for ``ext`` (grown, keeping its contents, if
-        too small), as a numpy view for ``recv_into``: one view per buffer, sliced per
-        member (a torch slice and ``.numpy()`` per member cost more than the copy)."""
-        view = self.views.get(ext)
-        if view is None or view.shape[0] < at + size:
-            old = self.buffers.get(ext)
-            grown = host_buffer(max(_MIN_BUFFER, (at + size) * 5 // 4))
-            if old is not None and at:
-                grown[:at].copy_(old[:at])
-            self.buffers[ext] = grown
-            self.views[ext] = view = grown.numpy()
-        return view[at : at + size]
+__all__ = ["Batch", "FastLoader"]
 
 
 class FastLoader:
@@ -89,11 +38,22 @@ class FastLoader:
         batch_size: samples per batch (the last batch may be short unless ``drop_last``).
         exts: the extensions to receive (e.g. ``["input.npy", "cls"]``); the daemon sends
             only these. None: every member.
-        device: where batches go (``"cuda"``: non-blocking copies on a side stream); None
-            keeps them on the host.
-        ring: host buffer sets in the ring; also how many batches may be in flight.
-        socket, shuffle, seed, rank, world_size: as for :class:`~cached_client.CachedDataset`
-            (the shard order; each rank reads whole shards, round-robin).
+        device: where batches go (``"cuda"``, ``"cuda:1"``: non-blocking copies on a side
+            stream, which the current stream of that device waits for); None keeps them on
+            the host, in the ring. A device that does not exist here raises
+            :class:`~cached_client.errors.DeviceUnavailable` at construction.
+        ring: host buffer sets in the ring: a host batch stays valid until this many more
+            have been taken (then it raises :class:`~cached_client.errors.StaleBatch`).
+        pin_memory: page-locked host buffers. Default: when ``device`` is a CUDA device.
+            In host mode pass True if you copy batches to a GPU yourself
+            (``batch.to("cuda")`` or ``batch.view(...).to("cuda", non_blocking=True)``: the
+            loader records an event on the current stream when you take the next batch,
+            and reuses a slot only after it).
+        equal_batches: every rank yields exactly the same number of samples (so the same
+            number of batches: no rank waits for another in DDP's last all-reduce); the
+            daemon indexes every shard once first, and up to ``world_size - 1`` samples of
+            each epoch are left out. :func:`len` then gives the number of batches.
+        socket, shuffle, seed, rank, world_size: as for :class:`~cached_client.CachedDataset`.
     """
 
     def __init__(
@@ -109,127 +69,187 @@ class FastLoader:
         seed: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
+        equal_batches: bool = False,
         inflight: int = 8,
         drop_last: bool = False,
+        pin_memory: bool | None = None,
         connect_timeout_s: float = 5.0,
     ) -> None:
         if batch_size < 1:
-            raise ValueError("batch_size must be positive")
+            raise UsageError(f"batch_size must be positive, not {batch_size}")
         self.urls = expand_all(urls)
         self.batch_size = batch_size
         self.exts = list(exts) if exts is not None else None
-        self.device = torch.device(device) if device is not None else None
-        self.ring = [_Slot() for _ in range(max(2, ring))]
+        # Checked first: a missing device fails here, before any connection.
+        self.device = require_device(device) if device is not None else None
+        on_gpu = self.device is not None and self.device.type == "cuda"
+        self.pin_memory = (on_gpu if pin_memory is None else pin_memory) and (
+            pinned_memory_available()
+        )
+        self.ring_size = ring
         self.endpoint = resolve_endpoint(socket)
         self.shuffle, self.seed = shuffle, seed
         self.rank, self.world_size = partition.resolve_rank(rank, world_size)
+        self.equal_batches = equal_batches
         self.inflight = inflight
         self.drop_last = drop_last
+        self.connect_timeout_s = connect_timeout_s
         self.epoch = 0
-        self.conn = Connection(self.endpoint, connect_timeout_s=connect_timeout_s)
+        self._conn: Connection | None = None
+        self._ring: Ring | None = None
+        self._lengths: list[int] | None = None
+        self._active: Generator[Batch, None, None] | None = None
         self._stream = f"fast-{uuid.uuid4().hex[:12]}/r{self.rank}"
-        self._cuda_stream: Any = None
+
+    # -- who reads what -----------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose shard order the next iteration follows."""
         self.epoch = epoch
 
+    @property
+    def conn(self) -> Connection:
+        """The connection to the daemon (made on first use)."""
+        if self._conn is None:
+            self._conn = Connection(self.endpoint, connect_timeout_s=self.connect_timeout_s)
+        return self._conn
+
+    def lengths(self) -> list[int]:
+        """The number of samples of every shard (asks the daemon once)."""
+        if self._lengths is None:
+            self._lengths = shard_lengths(self.conn, self.urls, self._stream)
+        return self._lengths
+
+    def parts(self, epoch: int) -> list[partition.Part]:
+        """The shard ranges this rank reads in ``epoch``, in order."""
+        return partition.reader_parts(
+            len(self.urls),
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch=epoch,
+            stream=self.rank,
+            streams=self.world_size,
+            lengths=self.lengths if self.equal_batches else None,
+        )
+
     def shard_urls(self, epoch: int) -> list[str]:
         """The shards this rank reads in ``epoch``, in order."""
-        order = partition.shard_order(
-            len(self.urls), shuffle=self.shuffle, seed=self.seed, epoch=epoch
-        )
-        parts = partition.by_shard(order, self.rank, self.world_size)
-        if self.shuffle:
-            random.Random(f"fast/{self.seed}/{epoch}").shuffle(parts)
-        return [self.urls[p.shard] for p in parts]
+        return [self.urls[p.shard] for p in self.parts(epoch)]
+
+    def __len__(self) -> int:
+        """Batches per epoch; known only with ``equal_batches`` (every epoch the same)."""
+        if not self.equal_batches:
+            raise TypeError("FastLoader has a length only with equal_batches=True")
+        samples = sum(self.lengths()) // self.world_size
+        full, rest = divmod(samples, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    # -- iteration ----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
-        self.conn.open()
-        urls = self.shard_urls(self.epoch)
+        if self._active is not None:
+            # One iteration at a time: the ring is shared. Closing the old one releases
+            # its pins; its batches go stale as their slots are reused.
+            self._active.close()
+        device = _with_index(self.device) if self.device is not None else None
+        if self._ring is None:
+            index = device.index if device is not None and device.type == "cuda" else None
+            self._ring = Ring(self.ring_size, pinned=self.pin_memory, device=index)
+        host = self._active = self._host_batches(self._ring, guard_host_copies=device is None)
+        if device is None:
+            return host
+        if device.type == "cuda":
+            return self._to_gpu(host, CopyStream(device))
+        return (batch.to(device) for batch in host)
+
+    @staticmethod
+    def _to_gpu(batches: Iterator[Batch], copies: CopyStream) -> Iterator[Batch]:
+        for batch in batches:
+            yield copies.hand_over(*copies.copy(batch))
+
+    def _host_batches(self, ring: Ring, *, guard_host_copies: bool) -> Generator[Batch, None, None]:
+        conn = self.conn
+        conn.open()
+        parts = self.parts(self.epoch)
+        spans = [Span(self.urls[p.shard], p.start, p.stop) for p in parts]
         # This epoch and the next: the daemon prefetches across the boundary.
         plan_key = self._stream.split("/")[0]
-        plan = (
-            plan_key
-            if announce(self.conn, plan_key, urls + self.shard_urls(self.epoch + 1))
-            else None
-        )
-        slot_no = 0
-        keys: list[str] = []
-        offsets: dict[str, list[int]] = {}
-        used: dict[str, int] = {}
-        slot = self._claim(slot_no)
-        spans = [Span(url) for url in urls]
-        reads: Generator[tuple[str, int], None, None] = pipelined_reads(
-            self.conn, spans, self._stream, inflight=self.inflight, exts=self.exts, plan=plan
+        ahead = self.shard_urls(self.epoch + 1)
+        plan = plan_key if announce(conn, plan_key, [s.url for s in spans] + ahead) else None
+        filling = _Filling(ring.claim())
+        reads = pipelined_reads(
+            conn, spans, self._stream, inflight=self.inflight, exts=self.exts, plan=plan
         )
         with contextlib.closing(reads):  # leaving early releases the reader's pins now
             for _url, rid in reads:
-                header, early = self._reply(rid)
-                for key, members in header["samples"]:
-                    for ext, size in members:
-                        at = used.get(ext, 0)
-                        dst = slot.region(ext, at, size)
-                        if early is None:
-                            got = self.conn.recv_into(dst)  # straight from the socket
-                        else:
-                            src = memoryview(next(early).buffer)
-                            got = len(src)
-                            dst[:got] = np.frombuffer(src, dtype=np.uint8)
-                        if got != size:
-                            raise ConnectionError(f"frame of {got} bytes, expected {size}")
-                        used[ext] = at + size
-                        offsets.setdefault(ext, [0] * (len(keys) + 1)).append(at + size)
-                    keys.append(key)
-                    for offs in offsets.values():
-                        if len(offs) < len(keys) + 1:  # sample without this member
-                            offs.append(offs[-1])
-                    if len(keys) == self.batch_size:
-                        yield self._emit(slot, keys, offsets, used)
-                        slot_no += 1
-                        slot = self._claim(slot_no)
-                        keys, offsets, used = [], {}, {}
-            if keys and not self.drop_last:
-                yield self._emit(slot, keys, offsets, used)
+                reply = conn.receive(rid, in_place=True)
+                check_reply(reply.header)
+                for key, members in reply.header["samples"]:
+                    filling.add(key, members, reply)
+                    if len(filling.keys) == self.batch_size:
+                        yield from self._hand_out(filling.batch(), guard_host_copies)
+                        filling = _Filling(ring.claim())
+            if filling.keys and not self.drop_last:
+                yield from self._hand_out(filling.batch(), guard_host_copies)
 
-    def _reply(self, rid: int) -> tuple[Header, Iterator[zmq.Frame] | None]:
-        """The reply to ``rid``: its header and, if it came early (stashed while another
-        reply was awaited), its frames; else the frames are still on the socket."""
-        while True:
-            early = self.conn.pop_early(rid)
-            if early is not None:
-                header, frames = early
-                source: Iterator[zmq.Frame] | None = iter(frames)
-            else:
-                header, source = self.conn.recv_header_into(), None
-                if header.get("id") != rid:
-                    self.conn.stash(header, self.conn.recv_rest())
-                    continue
-                self.conn.settle(rid)
-            check_reply(header)
-            return header, source
+    @staticmethod
+    def _hand_out(batch: Batch, guard_host_copies: bool) -> Generator[Batch, None, None]:
+        try:
+            yield batch
+        finally:
+            # Resumed: the user is done queueing work on the previous batch.
+            if guard_host_copies and batch._slot is not None and batch._slot.pinned:
+                _guard_current_streams(batch._slot)
 
-    def _claim(self, n: int) -> _Slot:
-        slot = self.ring[n % len(self.ring)]
-        if slot.event is not None:
-            slot.event.synchronize()  # the device copy out of this slot must be done
-            slot.event = None
-        return slot
 
-    def _emit(
-        self, slot: _Slot, keys: list[str], offsets: dict[str, list[int]], used: dict[str, int]
-    ) -> Batch:
-        data = {ext: slot.buffers[ext][:n] for ext, n in used.items()}
-        if self.device is not None and self.device.type == "cuda":
-            if self._cuda_stream is None:
-                self._cuda_stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
-            with torch.cuda.stream(self._cuda_stream):
-                data = {e: t.to(self.device, non_blocking=True) for e, t in data.items()}
-                slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                slot.event.record(self._cuda_stream)
-            torch.cuda.current_stream(self.device).wait_event(slot.event)
-            for t in data.values():
-                t.record_stream(torch.cuda.current_stream(self.device))
-        elif self.device is not None:
-            data = {e: t.to(self.device) for e, t in data.items()}
-        return Batch(keys, data, offsets)
+class _Filling:
+    """The batch being received into one ring slot."""
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+        self.keys: list[str] = []
+        self.offsets: dict[str, list[int]] = {}
+        self.used: dict[str, int] = {}
+
+    def add(self, key: str, members: list[tuple[str, int]], reply: Reply) -> None:
+        """Receive one sample's members (the reply's next frames) into the slot."""
+        n = len(self.keys)
+        for ext, size in members:
+            at = self.used.get(ext, 0)
+            try:
+                got = reply.read_into(self.slot.region(ext, at, size))
+            except ProtocolError as exc:
+                raise ProtocolError(f"{key}.{ext}: {exc}") from None
+            if got != size:
+                raise ProtocolError(f"{key}.{ext}: a frame of {got} bytes, announced {size}")
+            self.used[ext] = at + size
+            self.offsets.setdefault(ext, [0] * (n + 1)).append(at + size)
+        self.keys.append(key)
+        for offs in self.offsets.values():
+            if len(offs) < n + 2:  # this sample has no such member
+                offs.append(offs[-1])
+
+    def batch(self) -> Batch:
+        data = {ext: self.slot.buffers[ext][:n] for ext, n in self.used.items()}
+        return Batch(self.keys, data, self.offsets, self.slot)
+
+
+def _guard_current_streams(slot: Slot) -> None:
+    """Record an event on the current stream of every device this process uses (a copy
+    the user queued from the slot may be on any of them); the slot waits for them."""
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return  # nothing can have been queued
+    for index in _devices_in_use():
+        with torch.cuda.device(index):
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(index))
+            slot.guard(event)
+
+
+def _devices_in_use() -> list[int]:
+    """The CUDA devices with a context in this process (recording on another would
+    create one there)."""
+    has_context: Any = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has_context is None:
+        return [torch.cuda.current_device()]
+    return [i for i in range(torch.cuda.device_count()) if has_context(i)]

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
+
+from .errors import UsageError
 
 T = TypeVar("T")
 
@@ -26,7 +28,7 @@ class Part:
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Explicit values, else ``torch.distributed`` when initialized, else ``RANK`` and
-    ``WORLD_SIZE``, else 0 of 1. Raises ``ValueError`` on an impossible pair."""
+    ``WORLD_SIZE``, else 0 of 1. Raises ``UsageError`` (a ``ValueError``) on an impossible pair."""
     if rank is None or world_size is None:
         found = _from_distributed() or (
             int(os.environ.get("RANK", "0")),
@@ -35,7 +37,7 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
         rank = found[0] if rank is None else rank
         world_size = found[1] if world_size is None else world_size
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in 0..{world_size - 1} (world_size {world_size})")
+        raise UsageError(f"rank {rank} is not in 0..{world_size - 1} (world_size {world_size})")
     return rank, world_size
 
 
@@ -53,6 +55,25 @@ def shard_order(n_shards: int, *, shuffle: bool, seed: int, epoch: int) -> list[
     if shuffle:
         random.Random(f"shards/{seed}/{epoch}").shuffle(order)
     return order
+
+
+def reader_parts(
+    n_shards: int,
+    *,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    stream: int,
+    streams: int,
+    lengths: Callable[[], Sequence[int]] | None = None,
+) -> list[Part]:
+    """What reader ``stream`` of ``streams`` reads in ``epoch``: whole shards round-robin
+    (:func:`by_shard`), or with ``lengths`` (the shards' sample counts, asked for only
+    here) an equal share of the samples (:func:`by_sample`). Both loaders split this way."""
+    order = shard_order(n_shards, shuffle=shuffle, seed=seed, epoch=epoch)
+    if lengths is None:
+        return by_shard(order, stream, streams)
+    return by_sample(order, lengths(), stream, streams)
 
 
 def by_shard(order: Sequence[int], stream: int, streams: int) -> list[Part]:

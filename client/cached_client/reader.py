@@ -41,10 +41,23 @@ class _Read:
     partial: bool  # the span ends before the shard does (the daemon keeps the pin)
 
 
-def shard_length(conn: Connection, url: str, stream: str) -> int:
-    """The number of samples in a shard (fetches it into the hot tier, pins nothing)."""
-    header, _ = conn.request({"op": Op.OPEN, "url": url, "stream": stream, "pin": False})
-    return int(header["samples"])
+def shard_lengths(
+    conn: Connection, urls: Sequence[str], stream: str, *, window: int = MAX_OPEN_AHEAD
+) -> list[int]:
+    """The number of samples in each shard, ``window`` opens in flight (each fetches its
+    shard into the hot tier if needed, and pins nothing)."""
+    lengths: list[int] = []
+    sent: deque[int] = deque()
+    try:
+        for url in urls:
+            sent.append(conn.send({"op": Op.OPEN, "url": url, "stream": stream, "pin": False}))
+            if len(sent) >= window:
+                lengths.append(int(conn.wait(sent.popleft())[0]["samples"]))
+        while sent:
+            lengths.append(int(conn.wait(sent.popleft())[0]["samples"]))
+    finally:
+        conn.forget(list(sent))
+    return lengths
 
 
 def release(conn: Connection, url: str, stream: str) -> None:
@@ -125,7 +138,8 @@ def pipelined_reads(
     plan: str | None = None,
 ) -> Generator[tuple[str, int], None, None]:
     """Send the reads of ``spans`` and yield ``(url, request id)`` in order; the caller
-    receives each reply (``conn.wait`` or its own ``recv_into``) before asking for the next.
+    receives each reply (``conn.wait``, or ``conn.receive(in_place=True)`` into its own
+    buffers) before asking for the next.
 
     Up to ``inflight`` reads are outstanding across shard boundaries (back-pressure: the
     daemon never queues more for this reader). The next shards' opens go out early (while

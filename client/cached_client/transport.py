@@ -1,60 +1,103 @@
-"""A synchronous ZeroMQ DEALER to the daemon: requests in flight, timeouts, reconnects.
+"""A synchronous ZeroMQ DEALER to the daemon: the client's one receive layer.
 
 One :class:`Connection` per stream (per DataLoader worker, or the fast-path reader). It is
-opened lazily in the process that uses it and never crosses a fork.
+opened lazily in the process that uses it and never crosses a fork. Both readers receive
+through :meth:`Connection.receive`, which owns everything that can go wrong between a
+request and its reply:
+
+- liveness: a daemon that stops answering pings for ``dead_after_s`` is redialled;
+- restarts: a reply from a new daemon instance re-sends every unanswered request and the
+  standing state (plans) the old instance held;
+- early replies: a reply to another request is stashed until that request is awaited;
+  one that nobody awaits any more is dropped;
+- receiving in place: a reply can be handed over with its payload frames still on the
+  socket, for the caller to receive into its own buffers (:meth:`Reply.read_into`);
+- draining: whatever a caller left unread of such a reply (an error, an early exit) is
+  discarded before the next message is read, so a payload frame is never taken for a
+  header.
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
 
-from .errors import DaemonUnavailable, RemoteError, check_reply
-from .protocol import DEFAULT_SOCKET, PROTOCOL_VERSION, SOCKET_ENV, Header, Op, decode, encode
+from . import protocol
+from .errors import DaemonTimeout, DaemonUnavailable, ProtocolError, RemoteError, check_reply
+from .memory import tune_malloc
+from .protocol import DEFAULT_SOCKET, PROTOCOL_VERSION, SOCKET_ENV, Header, Op, encode
 
 log = logging.getLogger(__name__)
 
-
-# glibc <malloc.h> parameters, and the values a reader wants.
-_MALLOPT = (
-    (-1, 256 << 20),  # M_TRIM_THRESHOLD: keep up to 256 MiB of freed heap
-    (-3, 8 << 20),  # M_MMAP_THRESHOLD: serve blocks below 8 MiB from the heap, not mmap
-    (-8, 1),  # M_ARENA_MAX: ZeroMQ's I/O thread allocates frames in the main arena too
-)
-_malloc_tuned_pid = 0
-
-
-def keep_freed_memory() -> None:
-    """Tune glibc's allocator for a reader, once per process, before ZeroMQ starts.
-
-    A reader allocates and frees a few MiB of frames per reply (in ZeroMQ's I/O thread and
-    in Python). By default glibc returns that memory to the kernel (trimming the heap,
-    unmapping blocks, shrinking thread arenas) and the next reply page-faults it back in:
-    ~22 faults per 100 KB sample, a third of the reader's time in the kernel. Keeping the
-    memory cut the faults 15-fold on the fast path (bench/serve.py, docs/benchmarks.md).
-    Bounded: at most a few replies' worth stays allocated. A no-op off glibc.
-    """
-    global _malloc_tuned_pid
-    if _malloc_tuned_pid == os.getpid():
-        return
-    _malloc_tuned_pid = os.getpid()
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        for param, value in _MALLOPT:
-            libc.mallopt(param, value)
-    except (OSError, AttributeError):
-        pass
+# With no message for this long, ask the daemon whether it is alive (a hello).
+PING_AFTER_S = 2.0
 
 
 def resolve_endpoint(socket: str | None) -> str:
     """``socket`` if given, else ``$CACHED_SOCKET``, else the daemon's default endpoint."""
     return socket or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+
+
+def decode(frame: bytes | memoryview) -> Header:
+    """A header frame, or the client's :class:`~cached_client.errors.ProtocolError`."""
+    try:
+        return protocol.decode(frame)
+    except protocol.ProtocolError as exc:
+        raise ProtocolError(str(exc)) from exc
+
+
+class Reply:
+    """A reply's header, and its payload frames: in hand (stashed), or still on the socket.
+
+    Take the frames in order, each once, with :meth:`read_into` or :meth:`frames`. Frames
+    left unread are discarded by the connection before it reads the next message.
+    """
+
+    def __init__(
+        self, header: Header, frames: list[zmq.Frame] | None, conn: Connection | None = None
+    ) -> None:
+        self.header = header
+        self._held: Iterator[zmq.Frame] | None = None if frames is None else iter(frames)
+        self._conn = conn
+        self._message = conn._messages if conn is not None else 0
+
+    def _live_socket(self) -> zmq.Socket[bytes]:
+        conn = self._conn
+        if conn is None or conn._sock is None or conn._messages != self._message:
+            raise ProtocolError("the reply's frames were discarded: take them before the next")
+        return conn._sock
+
+    def read_into(self, buffer: Any) -> int:
+        """Receive the next payload frame into ``buffer`` (writable, at least the frame's
+        size); returns the frame's size. Raises :class:`ProtocolError` if there is none."""
+        if self._held is not None:
+            frame = next(self._held, None)
+            if frame is None:
+                raise ProtocolError("the reply has fewer payload frames than it announced")
+            src = memoryview(frame.buffer)
+            n = len(src)
+            if n <= len(memoryview(buffer)):
+                memoryview(buffer).cast("B")[:n] = src.cast("B")
+            return n
+        sock = self._live_socket()
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise ProtocolError("the reply has fewer payload frames than it announced")
+        # All parts of a message arrive together: this never waits for the network.
+        return int(sock.recv_into(buffer))
+
+    def frames(self) -> list[zmq.Frame]:
+        """Every payload frame not yet taken."""
+        if self._held is not None:
+            return list(self._held)
+        self._live_socket()
+        assert self._conn is not None
+        return self._conn._recv_rest()
 
 
 class Connection:
@@ -72,7 +115,7 @@ class Connection:
         dead_after_s: float = 15.0,
         request_timeout_s: float = 900.0,
     ) -> None:
-        keep_freed_memory()
+        tune_malloc()  # before the ZeroMQ context starts its I/O thread
         self.endpoint = endpoint
         self.connect_timeout_s = connect_timeout_s
         self.dead_after_s = dead_after_s
@@ -80,11 +123,12 @@ class Connection:
         self._ctx = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = None
         self._ids = itertools.count(1)
-        self._pending: dict[int, Header] = {}  # sent, not yet answered: re-sent on reconnect
+        self._pending: dict[int, Header] = {}  # sent, not yet answered: re-sent on restart
         self._early: dict[int, tuple[Header, list[zmq.Frame]]] = {}
         self._instance: Any = None  # the daemon's start id, from its hello
         # State the daemon holds for us (plans): told again to a daemon that restarted.
         self._standing: dict[str, Header] = {}
+        self._messages = 0  # headers received: a Reply left on the socket is valid until the next
 
     def _unreachable(self) -> DaemonUnavailable:
         return DaemonUnavailable(
@@ -104,10 +148,11 @@ class Connection:
         if not sock.poll(int(self.connect_timeout_s * 1000), zmq.POLLIN):
             self.close()
             raise self._unreachable()
-        header, _ = self._recv_one()
         try:
+            header = self._recv_header()
+            self._recv_rest()
             check_reply(header)
-        except RemoteError:
+        except (RemoteError, ProtocolError):
             self.close()
             raise
         self._instance = header.get("instance")
@@ -128,11 +173,7 @@ class Connection:
         previous = self._instance
         self.close()
         self.open()
-        assert self._sock is not None
-        for header in self._pending.values():
-            self._sock.send(encode(header))
-        if self._instance != previous:
-            self._resend_standing()
+        self._resend(standing=self._instance != previous)
 
     def send(self, header: Header, *, reply: bool = True) -> int:
         """Send a request without waiting; returns its id.
@@ -156,43 +197,65 @@ class Connection:
             self._early.pop(rid, None)
 
     def wait(self, request_id: int) -> tuple[Header, list[zmq.Frame]]:
-        """Wait for the reply to ``request_id``; raises the mapped error of an error reply."""
-        header, frames = self._wait(request_id)
-        check_reply(header)
-        return header, frames
+        """Wait for the reply to ``request_id`` and take all its frames; raises the mapped
+        error of an error reply."""
+        reply = self.receive(request_id)
+        check_reply(reply.header)
+        return reply.header, reply.frames()
 
     def request(self, header: Header) -> tuple[Header, list[zmq.Frame]]:
         """Send a request and wait for its reply."""
         return self.wait(self.send(header))
 
-    def _wait(self, request_id: int) -> tuple[Header, list[zmq.Frame]]:
-        early = self.pop_early(request_id)
+    def has_reply(self, request_id: int) -> bool:
+        """Whether the reply to ``request_id`` arrived already and waits to be taken."""
+        return request_id in self._early
+
+    def keep(self, key: str, header: Header) -> None:
+        """Remember a request whose effect lives in the daemon (a plan), to send it again
+        to a daemon that restarted; a newer one under the same ``key`` replaces it."""
+        self._standing[key] = {k: v for k, v in header.items() if k != "id"}
+
+    def receive(self, request_id: int, *, in_place: bool = False) -> Reply:
+        """Wait for the reply to ``request_id`` (not checked for an error: the caller does).
+
+        With ``in_place`` its payload frames are left on the socket for the caller to
+        receive into its own buffers (unless the reply came early and was stashed). Raises
+        :class:`DaemonTimeout` after ``request_timeout_s`` and :class:`DaemonUnavailable`
+        when the daemon is gone for good.
+        """
+        early = self._early.pop(request_id, None)
         if early is not None:
-            return early
+            return Reply(early[0], early[1])
+        self.open()
         deadline = time.monotonic() + self.request_timeout_s
         last_heard = time.monotonic()
         ping_id: int | None = None
         while True:
             assert self._sock is not None
             if self._sock.poll(1000, zmq.POLLIN):
-                header, frames = self._recv_one()
+                header = self._recv_header()
                 last_heard = time.monotonic()
-                rid = header.get("id")
                 instance = header.get("instance")
                 if instance is not None and instance != self._instance:
                     # A ping's or an open's reply from a daemon that restarted under us.
                     self._restarted(instance)
+                rid = header.get("id")
                 if rid == request_id:
                     self._pending.pop(request_id, None)
-                    return header, frames
+                    if in_place:
+                        return Reply(header, None, self)
+                    return Reply(header, self._recv_rest())
+                frames = self._recv_rest()
                 if rid == ping_id:
                     ping_id = None
-                else:
-                    self.stash(header, frames)
+                elif isinstance(rid, int) and self._pending.pop(rid, None) is not None:
+                    self._early[rid] = (header, frames)
+                # else: nobody waits for it any more (forgotten, or sent with reply=False)
                 continue
             now = time.monotonic()
             if now > deadline:
-                raise TimeoutError(
+                raise DaemonTimeout(
                     f"no reply from the cached daemon at {self.endpoint} within "
                     f"{self.request_timeout_s:.0f}s"
                 )
@@ -201,10 +264,28 @@ class Connection:
                 self._reconnect_within(self.dead_after_s)
                 last_heard = time.monotonic()
                 ping_id = None
-            elif ping_id is None and now - last_heard > 2.0:
+            elif ping_id is None and now - last_heard > PING_AFTER_S:
                 # Not pending: a ping's reply only proves the daemon is alive.
                 ping_id = next(self._ids)
                 self._sock.send(encode({"op": Op.HELLO, "id": ping_id, "v": PROTOCOL_VERSION}))
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _recv_header(self) -> Header:
+        """The next message's header frame, after discarding what a caller left unread of
+        the previous message."""
+        assert self._sock is not None
+        self._recv_rest()
+        self._messages += 1
+        return decode(self._sock.recv(copy=False).buffer)
+
+    def _recv_rest(self) -> list[zmq.Frame]:
+        """The remaining frames of the message being read."""
+        assert self._sock is not None
+        frames = []
+        while self._sock.getsockopt(zmq.RCVMORE):
+            frames.append(self._sock.recv(copy=False))
+        return frames
 
     def _restarted(self, instance: Any) -> None:
         """The daemon restarted under us: whatever it had not answered is lost with the old
@@ -215,21 +296,16 @@ class Connection:
             len(self._pending),
         )
         self._instance = instance
+        self._resend(standing=True)
+
+    def _resend(self, *, standing: bool) -> None:
         assert self._sock is not None
         for header in self._pending.values():
             self._sock.send(encode(header))
-        self._resend_standing()
-
-    def keep(self, key: str, header: Header) -> None:
-        """Remember a request whose effect lives in the daemon (a plan), to send it again
-        to a daemon that restarted; a newer one under the same ``key`` replaces it."""
-        self._standing[key] = {k: v for k, v in header.items() if k != "id"}
-
-    def _resend_standing(self) -> None:
-        assert self._sock is not None
-        for header in self._standing.values():
-            # A fresh id nobody waits for: the reply is dropped when it arrives.
-            self._sock.send(encode({**header, "id": next(self._ids)}))
+        if standing:
+            for header in self._standing.values():
+                # A fresh id nobody waits for: the reply is dropped when it arrives.
+                self._sock.send(encode({**header, "id": next(self._ids)}))
 
     def _reconnect_within(self, budget_s: float) -> None:
         give_up = time.monotonic() + budget_s
@@ -241,51 +317,6 @@ class Connection:
                 if time.monotonic() > give_up:
                     raise
                 time.sleep(0.5)
-
-    def _recv_one(self) -> tuple[Header, list[zmq.Frame]]:
-        assert self._sock is not None
-        parts = self._sock.recv_multipart(copy=False)
-        return decode(parts[0].buffer), parts[1:]
-
-    def recv_header_into(self) -> Header:
-        """Receive only the next message's header frame (the fast path reads the payload
-        frames itself with :meth:`recv_into`)."""
-        assert self._sock is not None
-        if not self._sock.poll(int(self.request_timeout_s * 1000), zmq.POLLIN):
-            raise TimeoutError(f"no reply from the cached daemon at {self.endpoint}")
-        return decode(self._sock.recv())
-
-    def recv_rest(self) -> list[zmq.Frame]:
-        """The remaining frames of the message whose header was just received."""
-        assert self._sock is not None
-        frames = []
-        while self._sock.getsockopt(zmq.RCVMORE):
-            frames.append(self._sock.recv(copy=False))
-        return frames
-
-    def stash(self, header: Header, frames: list[zmq.Frame]) -> None:
-        """Keep a reply that arrived before the one being waited for; drop one that nobody
-        waits for any more (forgotten, or sent with ``reply=False``)."""
-        rid = header.get("id")
-        if isinstance(rid, int) and self._pending.pop(rid, None) is not None:
-            self._early[rid] = (header, frames)
-
-    def settle(self, request_id: int) -> None:
-        """Mark ``request_id`` answered (its reply was read by the caller itself)."""
-        self._pending.pop(request_id, None)
-
-    def has_reply(self, request_id: int) -> bool:
-        """Whether the reply to ``request_id`` arrived already and waits to be taken."""
-        return request_id in self._early
-
-    def pop_early(self, request_id: int) -> tuple[Header, list[zmq.Frame]] | None:
-        """A reply to ``request_id`` that arrived early, if any."""
-        return self._early.pop(request_id, None)
-
-    def recv_into(self, buffer: Any) -> int:
-        """Receive the next payload frame straight into ``buffer`` (a writable buffer)."""
-        assert self._sock is not None
-        return self._sock.recv_into(buffer)
 
     def __del__(self) -> None:
         try:

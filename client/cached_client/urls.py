@@ -7,6 +7,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
+from .errors import UsageError
+
 _BRACE = re.compile(r"\{([0-9]+)\.\.([0-9]+)\}")
 SCHEMES = ("s3", "file")
 
@@ -21,7 +23,7 @@ def expand(pattern: str) -> list[str]:
     if match is not None:
         lo, hi = match.group(1), match.group(2)
         if int(hi) < int(lo):
-            raise ValueError(f"empty brace range {match.group(0)} in {pattern!r}")
+            raise UsageError(f"empty brace range {match.group(0)} in {pattern!r}")
         width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
         head, tail = pattern[: match.start()], pattern[match.end() :]
         out: list[str] = []
@@ -40,7 +42,7 @@ def expand_all(urls: str | Iterable[str]) -> list[str]:
     items = [urls] if isinstance(urls, str) else list(urls)
     out = [u for item in items for u in expand(item)]
     if not out:
-        raise ValueError("no shard URLs given")
+        raise UsageError("no shard URLs given")
     for url in out:
         parse(url)
     return out
@@ -61,15 +63,15 @@ class ShardURL:
 
 
 def parse(url: str) -> ShardURL:
-    """Parse and validate a shard URL; raises ``ValueError`` naming the URL."""
+    """Parse and validate a shard URL; raises ``UsageError`` (a ``ValueError``) naming the URL."""
     parts = urlsplit(url)
     if parts.scheme == "s3":
         key = parts.path.lstrip("/")
         if not parts.netloc or not key:
-            raise ValueError(f"bad shard URL {url!r}: expected s3://bucket/key")
+            raise UsageError(f"bad shard URL {url!r}: expected s3://bucket/key")
         return ShardURL("s3", parts.netloc, unquote(key))
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
-            raise ValueError(f"bad shard URL {url!r}: expected file:///absolute/path")
+            raise UsageError(f"bad shard URL {url!r}: expected file:///absolute/path")
         return ShardURL("file", "", unquote(parts.path))
-    raise ValueError(f"bad shard URL {url!r}: the scheme must be one of {', '.join(SCHEMES)}")
+    raise UsageError(f"bad shard URL {url!r}: the scheme must be one of {', '.join(SCHEMES)}")
