@@ -150,6 +150,11 @@ class Batch:
         self._generation = slot.generation if slot is not None else 0
 
     @property
+    def slot(self) -> Slot | None:
+        """The ring slot a host batch lives in (None: the batch owns its memory)."""
+        return self._slot
+
+    @property
     def stale(self) -> bool:
         """Whether the loader has reused this batch's memory for a later batch."""
         return self._slot is not None and self._slot.generation != self._generation

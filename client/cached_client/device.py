@@ -23,6 +23,7 @@ __all__ = [
     "pinned_memory_available",
     "require_device",
     "to_device",
+    "with_index",
 ]
 
 
@@ -45,7 +46,7 @@ def require_device(device: str | torch.device) -> torch.device:
     return target
 
 
-def _with_index(device: torch.device) -> torch.device:
+def with_index(device: torch.device) -> torch.device:
     """A bare ``cuda`` as the device current now (resolved at first use, not construction:
     DDP scripts often build loaders before ``torch.cuda.set_device``)."""
     if device.type == "cuda" and device.index is None:
@@ -146,7 +147,7 @@ class DeviceLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        device = _with_index(self.device)
+        device = with_index(self.device)
         if device.type != "cuda":
             for batch in self.loader:
                 yield to_device(batch, device, non_blocking=False)

@@ -21,7 +21,7 @@ import torch
 
 from . import partition
 from .buffers import Batch, Ring, Slot, pinned_memory_available
-from .device import CopyStream, _with_index, require_device
+from .device import CopyStream, require_device, with_index
 from .errors import ProtocolError, UsageError, check_reply
 from .reader import Span, announce, pipelined_reads, shard_lengths
 from .transport import Connection, Reply, resolve_endpoint
@@ -151,7 +151,7 @@ class FastLoader:
             # One iteration at a time: the ring is shared. Closing the old one releases
             # its pins; its batches go stale as their slots are reused.
             self._active.close()
-        device = _with_index(self.device) if self.device is not None else None
+        device = with_index(self.device) if self.device is not None else None
         if self._ring is None:
             index = device.index if device is not None and device.type == "cuda" else None
             self._ring = Ring(self.ring_size, pinned=self.pin_memory, device=index)
@@ -198,8 +198,9 @@ class FastLoader:
             yield batch
         finally:
             # Resumed: the user is done queueing work on the previous batch.
-            if guard_host_copies and batch._slot is not None and batch._slot.pinned:
-                _guard_current_streams(batch._slot)
+            slot = batch.slot
+            if guard_host_copies and slot is not None and slot.pinned:
+                _guard_current_streams(slot)
 
 
 class _Filling:
