@@ -40,12 +40,14 @@ bench: $(STAMP)
 	$(PY) bench/transport.py
 	$(PY) bench/epochs.py
 	$(PY) bench/cache_sim.py
+	$(PY) bench/malloc.py
 
 bench-small: $(STAMP)
 	$(PY) bench/serve.py --small
 	$(PY) bench/transport.py --small
 	$(PY) bench/epochs.py --small
 	$(PY) bench/cache_sim.py --small
+	$(PY) bench/malloc.py --small
 
 # On a GPU node (with a CUDA build of torch): byte-exact batches on the GPU under a slow
 # consumer, and host-to-device bandwidth; under 3 minutes. Without CUDA it runs the CPU parts,

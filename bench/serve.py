@@ -15,7 +15,8 @@ shards of 1 KB samples, capped at 32,768 samples), one run measures samples/s an
                         (``file://`` shard URLs, hot tier warmed by ``cached prefetch``),
                         DataLoader with N workers, ``batch_size=None``.
   (d) fast b=B          ``FastLoader`` from the same warm daemon: payload frames received in
-                        place into reusable (pinned where available) host buffers, batches of B.
+                        place into reusable host buffers (host mode: pinned only with
+                        ``pin_memory=True``), batches of B.
 
 The files are read once before timing (page cache). Every configuration runs one untimed
 warm-up pass (worker start-up, connections), then ``--repeats`` timed full passes,
@@ -163,7 +164,7 @@ def run_variant(
             "fast",
             functools.partial(common.fast_pass, fast),
             workers=0,
-            note=f"pinned host buffers: {_pinned()}",
+            note=f"pinned host buffers: {fast.pin_memory}",
         )
     )
     common.read_files(shards.paths)  # page cache: every file read once before timing
@@ -178,12 +179,6 @@ def run_variant(
             "(the hot tier was not warm)"
         )
     return results, facts
-
-
-def _pinned() -> bool:
-    from cached_client.device import pinned_memory_available
-
-    return pinned_memory_available()
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

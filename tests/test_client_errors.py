@@ -236,3 +236,22 @@ def test_torch_sees_no_cuda_here() -> None:
     """The "no-cuda" case above uses an index no machine has, so it holds on GPU nodes too;
     on this machine bare "cuda" must fail the same way (see test_fast.py)."""
     assert torch.cuda.device_count() < 99
+
+
+def test_an_early_reply_is_stashed_and_read_in_place_later(tmp_path: Path) -> None:
+    """The second request's reply is awaited first: the first one's arrives before it and
+    is stashed with its frames, then received in place like one still on the socket."""
+    with scripted_daemon(tmp_path, shard_script()) as ep:
+        conn = Connection(ep)
+        read = {"op": "read", "url": URL, "stream": "s", "count": 3}
+        first, second = conn.send({**read, "start": 0}), conn.send({**read, "start": 3})
+        _, frames = conn.wait(second)
+        assert [bytes(f.buffer) for f in frames] == [member(i) for i in range(3, 6)]
+        assert conn.has_reply(first)
+        reply = conn.receive(first, in_place=True)
+        bufs = [np.zeros(SIZE, dtype=np.uint8) for _ in range(3)]
+        assert [reply.read_into(b) for b in bufs] == [SIZE] * 3
+        assert [b.tobytes() for b in bufs] == [member(i) for i in range(3)]
+        with pytest.raises(ProtocolError, match="fewer payload frames"):
+            reply.read_into(bufs[0])
+        conn.close()

@@ -329,13 +329,13 @@ def test_to_device_handles_namedtuples_and_device_loader_len() -> None:
         len(DeviceLoader((i for i in range(3)), "cpu"))
 
 
-def test_malloc_tuning_by_kind_of_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The training process gets ``keep`` (its other threads keep their arenas), pure
-    reader processes (DataLoader workers) ``single-arena``; the variable overrides both."""
+def test_malloc_tuning_default_and_opt_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``keep`` in the training process and its workers alike (D18); the variable opts
+    out, and reaches DataLoader workers."""
     monkeypatch.delenv(memory.ENV, raising=False)
     assert memory.resolve_mode() == "keep"
     loader = torch.utils.data.DataLoader(_WorkerMode(), batch_size=None, num_workers=1)
-    assert list(loader) == ["single-arena"]
+    assert list(loader) == ["keep"]
     monkeypatch.setenv(memory.ENV, "off")
     assert memory.resolve_mode() == "off"
     assert list(loader) == ["off"]

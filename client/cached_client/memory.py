@@ -6,28 +6,27 @@ unmapping large blocks, shrinking thread arenas) and the next reply page-faults 
 in: ~22 faults per 100 KB sample, a third of a reader's time in the kernel. Keeping the
 freed memory cut the faults 15-fold on the fast path (docs/benchmarks.md).
 
-The tuning is process-wide, so it is chosen per kind of process (``$CACHED_CLIENT_MALLOC``
-overrides it; docs/decisions.md D18 has the measurements):
+The tuning is process-wide. ``$CACHED_CLIENT_MALLOC`` chooses it (docs/decisions.md D18
+has the measurements):
 
-- ``keep``: keep up to 256 MiB of freed heap, serve blocks under 8 MiB from the heap;
-- ``single-arena``: ``keep``, and one malloc arena for all threads (ZeroMQ's I/O thread
-  then reuses the main arena's freed frames). Only for processes that do nothing but
-  read: a training process's other threads (autograd, NCCL, pin-memory) would contend
-  for that one arena's lock;
-- ``off``: leave the allocator alone;
-- ``auto`` (default): ``single-arena`` in a DataLoader worker, ``keep`` elsewhere.
+- ``keep`` (default): keep up to 256 MiB of freed heap, serve blocks under 8 MiB from the
+  heap. It also helps the training process's own threads, whose tensors glibc otherwise
+  hands back to the kernel and faults in again;
+- ``single-arena``: ``keep``, and one malloc arena for all threads. Measured no better in
+  DataLoader workers and slower in a training process (its other threads contend for
+  the one arena's lock); kept as an explicit choice;
+- ``off``: leave the allocator alone.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import sys
 
 from .errors import UsageError
 
 ENV = "CACHED_CLIENT_MALLOC"
-MODES = ("auto", "keep", "single-arena", "off")
+MODES = ("keep", "single-arena", "off")
 
 # glibc <malloc.h> parameter numbers.
 _M_TRIM_THRESHOLD = -1
@@ -45,14 +44,11 @@ _tuned: tuple[int, str] | None = None  # (pid, mode applied)
 
 
 def resolve_mode(mode: str | None = None) -> str:
-    """The concrete mode for this process: ``mode``, else ``$CACHED_CLIENT_MALLOC``, else
-    ``auto``; ``auto`` becomes ``single-arena`` in a DataLoader worker, else ``keep``.
-    Raises ``UsageError`` (a ``ValueError``) on an unknown name."""
-    chosen = (mode or os.environ.get(ENV) or "auto").strip().lower()
+    """``mode``, else ``$CACHED_CLIENT_MALLOC``, else ``keep``. Raises ``UsageError`` (a
+    ``ValueError``) on an unknown name."""
+    chosen = (mode or os.environ.get(ENV) or "keep").strip().lower()
     if chosen not in MODES:
         raise UsageError(f"{ENV}={chosen!r}: expected one of {', '.join(MODES)}")
-    if chosen == "auto":
-        return "single-arena" if _in_dataloader_worker() else "keep"
     return chosen
 
 
@@ -72,10 +68,3 @@ def tune_malloc(mode: str | None = None) -> str:
     except (OSError, AttributeError):
         pass
     return chosen
-
-
-def _in_dataloader_worker() -> bool:
-    # Without torch loaded there is no DataLoader (and the daemon, which shares the
-    # transport, must not pay for importing torch).
-    data = sys.modules.get("torch.utils.data")
-    return data is not None and data.get_worker_info() is not None
