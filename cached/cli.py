@@ -6,12 +6,13 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from cached_client.errors import CachedClientError
-from cached_client.protocol import Op
+from cached_client.protocol import SOCKET_ENV, Op
 
 from . import __version__
 from .config import Config, format_size, load
@@ -82,11 +83,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     try:
         code = _run(args)
+        sys.stdout.flush()  # here, where a closed pipe is handled, not at exit
     except (CachedError, CachedClientError, ValueError) as exc:
         print(f"cached: error: {exc}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:
+        # The reader went away (`cached status | head`): nothing more to say, and the
+        # interpreter's final flush must not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141  # as a shell reports a command ended by SIGPIPE
     sys.exit(code)
 
 
@@ -103,9 +110,9 @@ def _run(args: argparse.Namespace) -> int:
             asyncio.run(run(cfg))
         return 0
     if args.command == "status":
-        return _status(_config(args), args.json)
+        return _status(_client_socket(args), args.json)
     if args.command == "prefetch":
-        return _prefetch(_config(args), args.urls)
+        return _prefetch(_client_socket(args), args.urls)
     if args.command == "demo":
         from .demo import main as demo_main
 
@@ -119,10 +126,16 @@ def _run(args: argparse.Namespace) -> int:
     raise AssertionError(args.command)
 
 
-def _status(cfg: Config, as_json: bool) -> int:
+def _client_socket(args: argparse.Namespace) -> str:
+    """Where ``status`` and ``prefetch`` find the daemon: ``--socket``, else
+    ``$CACHED_SOCKET`` (as the client library finds it), else the config's socket."""
+    return args.socket or os.environ.get(SOCKET_ENV) or _config(args).server.socket
+
+
+def _status(socket: str, as_json: bool) -> int:
     from cached_client.transport import Connection
 
-    conn = Connection(cfg.server.socket, connect_timeout_s=3.0)
+    conn = Connection(socket, connect_timeout_s=3.0)
     header, _ = conn.request({"op": Op.STATUS})
     status: dict[str, Any] = header["status"]
     if as_json:
@@ -174,13 +187,13 @@ def _status(cfg: Config, as_json: bool) -> int:
     return 0
 
 
-def _prefetch(cfg: Config, patterns: list[str]) -> int:
+def _prefetch(socket: str, patterns: list[str]) -> int:
     from cached_client.transport import Connection
     from cached_client.urls import expand_all
     from tqdm import tqdm
 
     urls = expand_all(patterns)
-    conn = Connection(cfg.server.socket, connect_timeout_s=3.0)
+    conn = Connection(socket, connect_timeout_s=3.0)
     stream = "prefetch"
     failed = 0
     # A few opens in flight: the daemon downloads them in parallel within its own limits.

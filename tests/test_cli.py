@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -89,3 +90,36 @@ def test_serve_with_a_bad_config_fails_naming_file_and_key(tmp_path: Path) -> No
     done = cached("serve", "--config", str(bad))
     assert done.returncode == 2
     assert str(bad) in done.stderr and "[cache] capacity" in done.stderr
+
+
+def test_status_and_prefetch_honour_cached_socket(
+    served: tuple[ProcessDaemon, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the client library does: no --socket and no config, but $CACHED_SOCKET."""
+    daemon, bucket = served
+    monkeypatch.setenv("CACHED_SOCKET", daemon.socket)
+    monkeypatch.setenv("CACHED_CONFIG", "/nonexistent/config.toml")  # must not be needed
+    assert cached("prefetch", f"s3://{bucket}/p-0.tar").returncode == 0
+    done = cached("status", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["socket"] == daemon.socket
+
+
+def test_status_into_a_closed_pipe_exits_quietly(served: tuple[ProcessDaemon, str]) -> None:
+    """`cached status | head`: the reader is gone before the output; no traceback."""
+    daemon, _ = served
+    read, write = os.pipe()
+    os.close(read)  # the reader went away first
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "cached", "status", "--socket", daemon.socket],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            check=False,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 141
+    assert done.stderr == ""
