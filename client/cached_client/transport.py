@@ -80,10 +80,10 @@ class Reply:
             frame = next(self._held, None)
             if frame is None:
                 raise ProtocolError("the reply has fewer payload frames than it announced")
-            src = memoryview(frame.buffer)
+            src, dst = memoryview(frame.buffer).cast("B"), memoryview(buffer).cast("B")
             n = len(src)
-            if n <= len(memoryview(buffer)):
-                memoryview(buffer).cast("B")[:n] = src.cast("B")
+            if n <= len(dst):  # a larger frame is not copied: the caller sees the size
+                dst[:n] = src
             return n
         sock = self._live_socket()
         if not sock.getsockopt(zmq.RCVMORE):
