@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Debian packages that the deployment checks use, installed when missing:
+#   docker-compose     `docker-compose config` (v1 validates a compose file offline)
+#   debootstrap        the Debian root that `make deploy-check` boots
+#   systemd-container  systemd-nspawn, which boots it
+# Only as root with apt-get; elsewhere it says what is missing, and each check that needs
+# a missing tool says in one line that it skips.
+set -euo pipefail
+
+want=()
+command -v docker-compose >/dev/null || want+=(docker-compose)
+command -v debootstrap >/dev/null || want+=(debootstrap)
+command -v systemd-nspawn >/dev/null || want+=(systemd-container)
+[ ${#want[@]} -eq 0 ] && exit 0
+
+if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
+    echo "system-deps: missing ${want[*]} (install them with your package manager; not root or no apt-get here)"
+    exit 0
+fi
+echo "system-deps: installing ${want[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${want[@]}" >/dev/null
