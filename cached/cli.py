@@ -94,6 +94,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         # interpreter's final flush must not complain either.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 141  # as a shell reports a command ended by SIGPIPE
+    except OSError as exc:
+        # What the daemon did not foresee (a config file it may not read, a full disk at
+        # start): still one line, as the ones above, not a traceback. --verbose shows it.
+        log.debug("details", exc_info=True)
+        print(f"cached: error: {exc}", file=sys.stderr)
+        code = 1
     sys.exit(code)
 
 

@@ -10,16 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
+import shutil
 import signal
-import socket
 import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from . import __version__
-from .config import Config
+from .config import Config, format_size
+from .errors import CachedError
 from .fetcher import Fetcher
 from .http import AdminHTTP
 from .metrics import Metrics
@@ -28,11 +28,14 @@ from .policy import make_policy
 from .prefetcher import Prefetcher
 from .server import Server
 from .sources.chain import TierChain
+from .systemd import Notifier
 from .tiers.hot import HotTier, Shard
 
 log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 5.0
+# How often the STATUS= line shown by `systemctl status cached` is refreshed.
+STATUS_INTERVAL_S = 5.0
 
 
 class Daemon:
@@ -45,6 +48,7 @@ class Daemon:
         self.started = time.time()
         self._stack = contextlib.AsyncExitStack()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.systemd = Notifier()
         self.planner = Planner(cfg.prefetch.plan_timeout_s)
         self.hot = HotTier(
             cfg.cache.dir,
@@ -56,8 +60,9 @@ class Daemon:
         )
 
     async def __aenter__(self) -> Daemon:
+        self.systemd.notify(f"STATUS=loading the hot tier from {self.cfg.cache.dir}")
         try:
-            reloaded = self.hot.load()
+            reloaded = self._load_hot_tier()
             log.info("hot tier %s: %d complete shards reloaded", self.cfg.cache.dir, reloaded)
             m = self.metrics
             self.sources = await self._stack.enter_async_context(
@@ -93,9 +98,15 @@ class Daemon:
                     planner=self.planner,
                 )
             )
-            self.http = await self._stack.enter_async_context(
-                AdminHTTP(self.cfg.server.http, m, self.status, lambda: self.ready)
-            )
+            try:
+                self.http = await self._stack.enter_async_context(
+                    AdminHTTP(self.cfg.server.http, m, self.status, lambda: self.ready)
+                )
+            except OSError as exc:
+                raise CachedError(
+                    f"cannot listen for HTTP on {self.cfg.server.http} ([server] http): "
+                    f"{exc.strerror or exc}; choose another address, or port 0 for any free one"
+                ) from exc
         except BaseException:
             await self._stack.aclose()
             raise
@@ -103,6 +114,8 @@ class Daemon:
         self._spawn(self.server.expire_leases(), "leases")
         self._spawn(self.prefetcher.run(), "prefetch")
         self._spawn(self._refresh_gauges(), "gauges")
+        if self.systemd.enabled:
+            self._spawn(self._tell_systemd(), "systemd")
         self.ready = True
         log.info(
             "cached %s ready: socket %s, http %s",
@@ -110,12 +123,14 @@ class Daemon:
             self.server.bound_endpoint,
             self.http.url,
         )
-        _sd_notify("READY=1")
+        self.systemd.notify("READY=1", f"STATUS={self.status_line()}")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self.ready = False
-        _sd_notify("STOPPING=1")
+        self.systemd.notify(
+            "STOPPING=1", "STATUS=draining: finishing replies, dropping partial downloads"
+        )
         for task in self._tasks:
             task.cancel(msg="cached is shutting down")
         if self._tasks:
@@ -187,6 +202,40 @@ class Daemon:
             "plans": self.planner.summary(),
         }
 
+    def _load_hot_tier(self) -> int:
+        """Load the hot tier, with one clear error for a directory that cannot be used,
+        and a warning when the capacity cannot be reached on this file system."""
+        directory = self.cfg.cache.dir
+        try:
+            reloaded = self.hot.load()
+        except OSError as exc:
+            raise CachedError(
+                f"cannot use the hot tier directory {directory} ([cache] dir): "
+                f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+            ) from exc
+        disk = shutil.disk_usage(directory).total
+        if self.cfg.cache.capacity_bytes > disk:
+            log.warning(
+                "[cache] capacity %s is more than the %s file system holding %s: the cache is "
+                "bounded by the disk (and [cache] min_free %s) instead; set capacity below %s",
+                format_size(self.cfg.cache.capacity_bytes),
+                format_size(disk),
+                directory,
+                format_size(self.cfg.cache.min_free_bytes),
+                format_size(disk),
+            )
+        return reloaded
+
+    def status_line(self) -> str:
+        """One line for ``systemctl status``: e.g. "serving: 812 shards, 412 GiB of 500 GiB,
+        3 streams, 2 fetching"."""
+        hot = self.hot.stats()
+        streams = self.server.leases.streams() if hasattr(self, "server") else 0
+        return (
+            f"serving: {hot.shards} shards, {format_size(hot.used_bytes)} of "
+            f"{format_size(hot.capacity_bytes)}, {streams} streams, {hot.fetching} fetching"
+        )
+
     def _count_eviction(self, shard: Shard) -> None:
         self.metrics.evictions.inc()
         self.metrics.evicted_bytes.inc(shard.reserved_bytes)
@@ -208,6 +257,22 @@ class Daemon:
             m.fetching_shards.set(hot.fetching)
             await asyncio.sleep(1.0)
 
+    async def _tell_systemd(self) -> None:
+        """Refresh STATUS= and, when the unit sets WatchdogSec=, send WATCHDOG=1 at half of
+        it. From the event loop on purpose: a loop that stops turning stops the pings, and
+        systemd restarts the daemon."""
+        watchdog = self.systemd.watchdog_interval_s
+        period = STATUS_INTERVAL_S if watchdog is None else min(STATUS_INTERVAL_S, watchdog)
+        last_status = time.monotonic()
+        while True:
+            now = time.monotonic()
+            lines = ["WATCHDOG=1"] if watchdog is not None else []
+            if now - last_status >= STATUS_INTERVAL_S or not lines:
+                lines.append(f"STATUS={self.status_line()}")
+                last_status = now
+            self.systemd.notify(*lines)
+            await asyncio.sleep(period)
+
 
 def _finite(x: float) -> float | None:
     """JSON has no infinity: None stands for "nothing planned is missing"."""
@@ -224,18 +289,6 @@ def _value(metric: Any, **labels: str) -> float:
             if s.name.endswith("_total") and labels.items() <= s.labels.items()
         )
     )
-
-
-def _sd_notify(state: str) -> None:
-    """Tell systemd (Type=notify) about our state; a no-op outside systemd."""
-    path = os.environ.get("NOTIFY_SOCKET")
-    if not path:
-        return
-    if path.startswith("@"):
-        path = "\0" + path[1:]
-    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.connect(path)
-        s.sendall(state.encode())
 
 
 async def run(cfg: Config) -> None:

@@ -9,6 +9,7 @@ waited for, bytes fetched from S3, and the share of time the loop waited for dat
 
 from __future__ import annotations
 
+import importlib
 import io
 import logging
 import os
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .errors import CachedError
 from .local import make_tar
 
 IMAGE_SHAPE = (3, 32, 32)
@@ -60,6 +62,28 @@ def _counters(socket: str) -> dict[str, float]:
     return counters
 
 
+def require_demo_extras() -> None:
+    """Fail with what to install when a package the demo needs is missing: moto and boto3
+    (the ``demo`` extra: the S3 stand-in) and torch (the training side)."""
+    missing = []
+    for module, package in (
+        ("moto.server", "cached-daemon[demo]"),
+        ("boto3", "cached-daemon[demo]"),
+        ("torch", "torch"),
+    ):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append((module.split(".")[0], package))
+    if missing:
+        names = ", ".join(module for module, _ in missing)
+        packages = " ".join(sorted({f"'{package}'" for _, package in missing}))
+        raise CachedError(
+            f"`cached demo` needs {names}, which is not installed; "
+            f"install it with: pip install {packages}"
+        )
+
+
 def main(
     epochs: int = 3,
     shards: int = 16,
@@ -68,6 +92,7 @@ def main(
     workdir: str | None = None,
 ) -> int:
     """Run the demo; returns the process exit code."""
+    require_demo_extras()
     import torch
     from cached_client import CachedDataset
     from cached_client.device import DeviceLoader, StallMeter, pinned_memory_available

@@ -5,7 +5,14 @@ Names follow Prometheus conventions: ``cached_`` prefix, base units, ``_total`` 
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 _FETCH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -16,6 +23,10 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        # process_* (CPU seconds, resident memory, open fds against the limit, start time)
+        # and python_info: what an operator checks first when the daemon misbehaves.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self.hits = Counter("cached_hits_total", "Shard opens served from the hot tier", registry=r)
         self.misses = Counter(
             "cached_misses_total", "Shard opens that had to wait for a fetch", ["kind"], registry=r

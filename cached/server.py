@@ -131,7 +131,14 @@ class Server:
     async def __aenter__(self) -> Server:
         if self.endpoint.startswith("ipc://"):
             path = Path(self.endpoint[len("ipc://") :])
-            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise CachedError(
+                    f"cannot create the socket's directory {path.parent} ([server] socket "
+                    f"{self.endpoint}): {exc.strerror or exc}; create it for the daemon's user "
+                    "(under systemd, RuntimeDirectory= does), or choose another socket"
+                ) from exc
             if path.exists() and await _answers(self._ctx, self.endpoint):  # noqa: ASYNC240
                 raise CachedError(
                     f"another cached daemon is already serving at {self.endpoint}; "

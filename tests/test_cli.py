@@ -80,7 +80,8 @@ def test_status_without_a_daemon(tmp_path: Path) -> None:
     done = cached("status", "--socket", f"ipc://{tmp_path}/none.sock")
     assert done.returncode == 2
     assert (
-        f"cannot reach the cached daemon at ipc://{tmp_path}/none.sock; is `cached serve` running?"
+        f"cannot reach the cached daemon at ipc://{tmp_path}/none.sock; no socket at "
+        f"{tmp_path}/none.sock; is `cached serve` running?"
     ) in done.stderr
 
 
@@ -123,3 +124,113 @@ def test_status_into_a_closed_pipe_exits_quietly(served: tuple[ProcessDaemon, st
         os.close(write)
     assert done.returncode == 141
     assert done.stderr == ""
+
+
+def no_dac_override() -> list[str]:
+    """A command prefix under which file permissions apply even to root: root normally
+    bypasses them (CAP_DAC_OVERRIDE), which would hide a permission error."""
+    if os.geteuid() != 0:
+        return []
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+
+
+def test_a_user_without_permission_on_the_socket_is_told_so(
+    served: tuple[ProcessDaemon, str],
+) -> None:
+    """Not "is `cached serve` running?": the daemon runs, the user may not connect."""
+    daemon, _ = served
+    path = daemon.socket[len("ipc://") :]
+    os.chmod(path, 0o000)
+    try:
+        done = subprocess.run(
+            [*no_dac_override(), sys.executable, "-m", "cached", "status"],
+            env={**os.environ, "CACHED_SOCKET": daemon.socket},
+            capture_output=True,
+            check=False,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.chmod(path, 0o777)
+    assert done.returncode == 2
+    assert f"permission denied on {path} (s---------" in done.stderr, done.stderr
+    assert "ask the administrator to add you to the socket's group" in done.stderr
+    assert "is `cached serve` running" not in done.stderr
+    assert cached("status", "--socket", daemon.socket).returncode == 0  # the daemon is fine
+
+
+def one_line_failure(done: subprocess.CompletedProcess[str]) -> str:
+    """The error line of a failed start, after checking it is the only one, not a traceback."""
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("cached: error:")]
+    assert len(errors) == 1, done.stderr
+    return errors[0]
+
+
+def serve_args(tmp_path: Path, **flags: str) -> list[str]:
+    values = {
+        "socket": f"ipc://{tmp_path}/cached.sock",
+        "http": "127.0.0.1:0",
+        "cache-dir": str(tmp_path / "hot"),
+        "capacity": "1GiB",
+        # Nothing is fetched: these daemons fail before, or are stopped at once.
+        "endpoint-url": "http://127.0.0.1:9",
+    } | flags
+    return ["serve", "--config", "/dev/null", *(f"--{k}={v}" for k, v in values.items())]
+
+
+def test_startup_failures_are_one_line(tmp_path: Path) -> None:
+    """An uncreatable hot tier, a socket directory that cannot be made, a busy HTTP port."""
+    (tmp_path / "a-file").write_text("")
+    line = one_line_failure(
+        cached(*serve_args(tmp_path, **{"cache-dir": f"{tmp_path}/a-file/hot"}))
+    )
+    assert f"cannot use the hot tier directory {tmp_path}/a-file/hot ([cache] dir)" in line
+    assert "Not a directory" in line
+
+    socket = f"ipc://{tmp_path}/a-file/run/cached.sock"
+    line = one_line_failure(cached(*serve_args(tmp_path, socket=socket)))
+    assert f"cannot create the socket's directory {tmp_path}/a-file/run" in line
+
+    import socket as sockets
+
+    with sockets.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        address = f"127.0.0.1:{busy.getsockname()[1]}"
+        line = one_line_failure(cached(*serve_args(tmp_path, http=address)))
+    assert f"cannot listen for HTTP on {address} ([server] http)" in line
+    assert "address already in use" in line.lower()
+
+
+def test_a_capacity_above_the_disk_warns_at_start(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'[server]\nsocket = "ipc://{tmp_path}/cached.sock"\nhttp = "127.0.0.1:0"\n'
+        f'[cache]\ndir = "{tmp_path}/hot"\ncapacity = "100000TiB"\n'
+        '[s3]\nendpoint_url = "http://127.0.0.1:9"\n'
+    )
+    with ProcessDaemon(config, f"ipc://{tmp_path}/cached.sock") as daemon:
+        log = daemon.log_tail()
+    assert "WARNING" in log and "[cache] capacity 100000.0 TiB is more than the" in log, log
+    assert f"file system holding {tmp_path}/hot" in log
+
+
+def test_demo_without_the_demo_extra_says_what_to_install() -> None:
+    """moto hidden from the import system, as in an install without the `demo` extra."""
+    hide_moto = (
+        "import sys\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'moto': raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "from cached.cli import main\n"
+        "main(['demo'])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", hide_moto], capture_output=True, check=False, text=True, timeout=60
+    )
+    line = one_line_failure(done)
+    assert "`cached demo` needs moto, which is not installed" in line
+    assert "pip install 'cached-daemon[demo]'" in line

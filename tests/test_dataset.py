@@ -160,7 +160,11 @@ def raised(exc_type: type[Exception], items: Any) -> str:
 
 
 def expect_unreachable(endpoint: str) -> str:
-    return f"cannot reach the cached daemon at {endpoint}; is `cached serve` running?"
+    """The message for a daemon that is not running: an ipc endpoint names the missing file."""
+    hint = "is `cached serve` running? (or set $CACHED_SOCKET to where it listens)"
+    if endpoint.startswith("ipc://"):
+        hint = f"no socket at {endpoint[len('ipc://') :]}; {hint}"
+    return f"cannot reach the cached daemon at {endpoint}; {hint}"
 
 
 # -- 1. exactly once -------------------------------------------------------------------------

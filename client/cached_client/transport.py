@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 
 from . import protocol
+from .diagnose import explain_unreachable
 from .errors import DaemonTimeout, DaemonUnavailable, ProtocolError, RemoteError, check_reply
 from .memory import tune_malloc
 from .protocol import DEFAULT_SOCKET, PROTOCOL_VERSION, SOCKET_ENV, Header, Op, encode
@@ -131,9 +132,8 @@ class Connection:
         self._messages = 0  # headers received: a Reply left on the socket is valid until the next
 
     def _unreachable(self) -> DaemonUnavailable:
-        return DaemonUnavailable(
-            f"cannot reach the cached daemon at {self.endpoint}; is `cached serve` running?"
-        )
+        why = explain_unreachable(self.endpoint)
+        return DaemonUnavailable(f"cannot reach the cached daemon at {self.endpoint}; {why}")
 
     def open(self) -> None:
         """Connect and shake hands; raises :class:`DaemonUnavailable` or a version error."""
