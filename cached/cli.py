@@ -76,9 +76,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``cached`` command."""
     args = _parser().parse_args(argv)
+    # Under systemd (stderr goes to the journal, which says so in $JOURNAL_STREAM) the
+    # journal stamps each line itself: a second time stamp would only be noise.
+    stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=stamp + "%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     try:

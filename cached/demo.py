@@ -112,7 +112,7 @@ def main(
     socket = f"ipc://{root}/cached.sock"
     try:
         with s3_endpoint() as endpoint:
-            import boto3  # type: ignore[import-untyped]
+            import boto3
 
             s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
             s3.create_bucket(Bucket="demo")

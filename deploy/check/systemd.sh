@@ -1,0 +1,553 @@
+#!/usr/bin/env bash
+# `make deploy-check`: the systemd unit exactly as shipped (deploy/systemd/cached.service),
+# installed the way docs/operations.md says (deploy/systemd/install.sh), run under a real
+# systemd. systemd-nspawn boots a minimal Debian root (debootstrap, cached outside the
+# repository) with a throwaway overlay on top; moto's S3 server runs on the host's loopback,
+# which the container shares. Checks, one PASS/FAIL line each:
+#   - the install: the files and modes the docs list;
+#   - start: Type=notify reaches active (ready), with a STATUS= line; /metrics has the
+#     process collector;
+#   - the socket's owner and mode under the default unit, and any local user reads;
+#   - SIGKILL: Restart=on-failure brings it back with the hot tier warm (no S3 fetch);
+#   - stop: clean (Result=success) within TimeoutStopSec;
+#   - group access: the documented drop-in (static user `cached`, UMask=0007, 0750
+#     directory): a member of the group reads, a non-member cannot.
+# Needs root, systemd-nspawn, debootstrap and nsenter; without them it says so in one line
+# and exits 0. Exit status 1 when any check failed.
+#
+# Large things live only under $CACHED_DEPLOY_CHECK_CACHE (default
+# /var/cache/cached-deploy-check): root-<suite>-<hash of the package list> (the debootstrap
+# result, about 300 MB, reused while the package list and suite stay the same) and
+# wheels-<python>-<hash of the requirements> (the daemon's dependencies as wheels, so the
+# container installs without reaching a package index). Delete the directory to rebuild.
+set -Eeuo pipefail
+
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+cache=${CACHED_DEPLOY_CHECK_CACHE:-/var/cache/cached-deploy-check}
+py=${PY:-$repo/.venv/bin/python}   # the project's venv: moto, boto3, the package itself
+# The root: systemd as init, python3 with venv for the install, libnss-systemd so that
+# DynamicUser= names resolve (what a normal Debian install has through recommends);
+# minbase already has passwd (useradd) and util-linux (runuser).
+packages=(systemd systemd-sysv dbus libnss-systemd python3 python3-venv)
+
+# --- output ------------------------------------------------------------------------------
+failures=0
+started=$EPOCHREALTIME
+log() { printf '%s\n' "deploy-check: $*"; }
+pass() { printf 'PASS  %s\n' "$*"; }
+fail() { printf 'FAIL  %s\n' "$*"; failures=$((failures + 1)); }
+indent() { sed 's/^/      | /'; }
+# Seconds since $1 (an $EPOCHREALTIME), to 0.1 s.
+since() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
+
+# --- preconditions -----------------------------------------------------------------------
+skip_unless_possible() {
+    local missing=() tool
+    [ "$(id -u)" -eq 0 ] || missing+=("not root")
+    for tool in systemd-nspawn debootstrap nsenter pgrep findmnt; do
+        command -v "$tool" >/dev/null || missing+=("no $tool")
+    done
+    "$py" -c 'import moto, boto3' 2>/dev/null || missing+=("no moto in $py")
+    if [ ${#missing[@]} -gt 0 ]; then
+        local why
+        why=$(printf '%s, ' "${missing[@]}")
+        echo "deploy-check: skipped (${why%, }): the systemd unit was not run"
+        exit 0
+    fi
+}
+
+# The suite and mirror of this machine's own apt sources (deb822 first, then the one-line
+# format): the first "deb" entry's URI and its base suite (not -updates or -security).
+# Read at run time, so that no mirror is written into the repository.
+read_apt_source() {
+    local found=""
+    local f
+    for f in /etc/apt/sources.list.d/*.sources; do
+        [ -e "$f" ] || continue
+        found=$(awk '
+            function flush(  i) {
+                if (!done && types ~ /(^|[ \t])deb([ \t]|$)/ && enabled != "no" && uri != "")
+                    for (i = 1; i <= ns; i++)
+                        if (s[i] !~ /-/) { print uri, s[i]; done = 1; break }
+                types = ""; uri = ""; enabled = ""; ns = 0
+            }
+            /^[ \t]*$/ { flush(); next }
+            /^[ \t]*#/ { next }
+            tolower($1) == "types:"   { types = $0 }
+            tolower($1) == "uris:"    { uri = $2 }
+            tolower($1) == "suites:"  { ns = split(substr($0, index($0, ":") + 1), s, " ") }
+            tolower($1) == "enabled:" { enabled = tolower($2) }
+            END { flush() }
+        ' "$f" | head -n1)
+        [ -n "$found" ] && break
+    done
+    if [ -z "$found" ] && [ -e /etc/apt/sources.list ]; then
+        found=$(awk '$1 == "deb" {
+            i = 2
+            if ($i ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }   # [ options ]
+            if ($(i + 1) !~ /-/) { print $i, $(i + 1); exit }
+        }' /etc/apt/sources.list)
+    fi
+    if [ -z "$found" ]; then
+        fail "no Debian suite/mirror found in /etc/apt/sources.list.d/*.sources or /etc/apt/sources.list"
+        exit 1
+    fi
+    read -r mirror suite <<<"$found"
+}
+
+# Remove a directory that debootstrap may have left mounts in (an interrupted build):
+# unmount what is below it first, and never cross into another file system.
+remove_tree() {
+    local dir=$1
+    [ -d "$dir" ] || return 0
+    findmnt -rno TARGET | awk -v d="$dir/" 'index($0, d) == 1' | sort -r | xargs -r umount -l
+    rm -rf --one-file-system "$dir"
+}
+
+# --- the Debian root, built once ----------------------------------------------------------
+# Built into a temporary directory and renamed when complete, so an interrupted build is
+# never reused; its leftovers (.build-* older than two hours) are removed on a later run.
+ensure_root() {
+    local key
+    key=$(printf '%s\n' "$suite" "${packages[@]}" | sha256sum | cut -c1-12)
+    root=$cache/root-$suite-$key
+    mkdir -p "$cache"
+    find "$cache" -maxdepth 1 -name '.build-*' -mmin +120 -print0 |
+        while IFS= read -r -d '' old; do remove_tree "$old"; done
+    if [ -d "$root" ]; then
+        log "root: $root (cached)"
+        return
+    fi
+    local t0=$EPOCHREALTIME
+    log "root: debootstrap $suite from $mirror into $root (once; a few minutes)"
+    building=$(mktemp -d "$cache/.build-root-XXXXXX")
+    # In its own session, waited for with `wait`: an interrupt runs the cleanup at once,
+    # which ends the whole build (dpkg in the chroot too) before removing its directory.
+    setsid debootstrap --variant=minbase --include="$(IFS=,; echo "${packages[*]}")" \
+        "$suite" "$building" "$mirror" >"$building.log" 2>&1 &
+    debootstrap_pid=$!
+    if ! wait "$debootstrap_pid"; then
+        tail -n 20 "$building.log" | indent
+        fail "debootstrap $suite failed (log above)"
+        exit 1
+    fi
+    debootstrap_pid=""
+    chroot "$building" apt-get clean
+    chmod 0755 "$building"   # mktemp made it 0700: it becomes the container's /
+    mv -T "$building" "$root" 2>/dev/null || remove_tree "$building"   # a concurrent run won
+    rm -f "$building.log"
+    building=""
+    log "root: built in $(since "$t0") s ($(du -sh "$root" | cut -f1))"
+}
+
+# --- the daemon's dependencies as wheels, downloaded on the host -------------------------
+# The container then installs with PIP_NO_INDEX: no package index reachable from inside
+# needed (nor its TLS setup), and a warm run downloads nothing. The requirements are read
+# from the two pyproject.toml files the way deploy/install-daemon.sh reads them, plus the
+# build backend; wheels for the root's Python and glibc, whatever the host's are.
+ensure_wheels() {
+    local reqs pyver glibc arch key plat=() m
+    reqs=$("$py" - "$repo" <<'PY'
+import sys, tomllib
+src = sys.argv[1]
+for project, skip in (("client", "torch"), (".", "cached-client")):
+    with open(f"{src}/{project}/pyproject.toml", "rb") as f:
+        meta = tomllib.load(f)
+    deps = meta["project"]["dependencies"] + meta["build-system"]["requires"]
+    print("\n".join(d for d in deps if not d.replace(" ", "").startswith(skip)))
+PY
+)
+    pyver=$(chroot "$root" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    glibc=$(chroot "$root" getconf GNU_LIBC_VERSION | awk '{ split($2, v, "."); print v[2] }')
+    arch=$(uname -m)
+    key=$(printf '%s\n' "$reqs" "$pyver" "$glibc" "$arch" | sha256sum | cut -c1-12)
+    wheels=$cache/wheels-$pyver-$key
+    if [ -d "$wheels" ]; then
+        log "wheels: $wheels (cached)"
+        return
+    fi
+    # pip does not widen one --platform to older manylinux tags: list them all.
+    for m in $(seq "$glibc" -1 17); do plat+=(--platform "manylinux_2_${m}_$arch"); done
+    plat+=(--platform "manylinux2014_$arch" --platform "linux_$arch")
+    local t0=$EPOCHREALTIME
+    building=$(mktemp -d "$cache/.build-wheels-XXXXXX")
+    printf '%s\n' "$reqs" >"$building.reqs"
+    if ! "$py" -m pip download -q --disable-pip-version-check -d "$building" \
+        --only-binary=:all: --implementation cp --python-version "$pyver" "${plat[@]}" \
+        -r "$building.reqs" >"$building.log" 2>&1; then
+        tail -n 20 "$building.log" | indent
+        fail "pip download of the daemon's dependencies failed (output above)"
+        exit 1
+    fi
+    rm -f "$building.reqs" "$building.log"
+    chmod 0755 "$building"
+    mv -T "$building" "$wheels" 2>/dev/null || rm -rf "$building"   # a concurrent run won
+    building=""
+    log "wheels: downloaded in $(since "$t0") s into $wheels ($(find "$wheels" -name "*.whl" | wc -l) wheels)"
+}
+
+# --- moto on the host ---------------------------------------------------------------------
+start_s3() {
+    "$py" "$repo/deploy/check/systemd_check.py" s3 "$work" >"$work/s3.log" 2>&1 &
+    s3_pid=$!
+    for _ in $(seq 300); do
+        [ -e "$work/requests.json" ] && break
+        kill -0 "$s3_pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    if [ ! -e "$work/requests.json" ]; then
+        tail -n 20 "$work/s3.log" | indent
+        fail "moto's S3 server did not start (log above)"
+        exit 1
+    fi
+    endpoint=$("$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["endpoint"])' "$work/s3.json")
+}
+
+# GETs of shard keys that moto has answered so far (refreshed every 0.2 s by the helper).
+shard_gets() {
+    sleep 0.5
+    "$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["shard_gets"])' "$work/requests.json"
+}
+
+# --- the container ------------------------------------------------------------------------
+# --volatile=overlay: the cached root is the read-only lower layer of an overlay whose upper
+# layer is a tmpfs, so every run starts from the same clean root and leaves it untouched (no
+# copy). --register=no --keep-unit: the host needs no systemd (machinectl does not see the
+# container; commands go in with nsenter). The network is the host's: moto on 127.0.0.1.
+boot() {
+    systemd-nspawn -b --register=no --keep-unit --volatile=overlay -D "$root" \
+        --machine="cached-check-$$" --console=read-only \
+        --bind-ro="$repo:/src" --bind-ro="$wheels:/wheels" --bind-ro="$work/share:/check" \
+        </dev/null >"$work/boot.log" 2>&1 &
+    nspawn_pid=$!
+    local t0=$EPOCHREALTIME
+    for _ in $(seq 300); do   # the container's init: the child of nspawn
+        leader=$(pgrep -P "$nspawn_pid" -x systemd || true)
+        [ -n "$leader" ] && break
+        kill -0 "$nspawn_pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    local state
+    state=$(T=120 in_container systemctl is-system-running --wait 2>/dev/null || true)
+    if [ -z "$leader" ] || { [ "$state" != running ] && [ "$state" != degraded ]; }; then
+        tail -n 30 "$work/boot.log" | indent
+        fail "the container did not boot (state '${state}'; boot log above)"
+        exit 1
+    fi
+    log "container booted in $(since "$t0") s ($state)"
+    if [ "$state" = degraded ]; then
+        in_container systemctl --failed --no-legend | indent
+    fi
+}
+
+# A command inside the booted container, with a clean environment and a time limit
+# (T seconds, default 60) so that nothing can hang the check.
+in_container() {
+    timeout --kill-after=5 "${T:-60}" nsenter -t "$leader" -a \
+        env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 "$@"
+}
+prop() { in_container systemctl show -p "$1" --value cached; }
+
+# Read the shards through the daemon as USER; prints the reader's line, returns its status.
+read_as() {
+    in_container runuser -u "$1" -- /opt/cached/bin/python /check/systemd_check.py read \
+        /check/manifest.json
+}
+
+# What is wrong, for the log of a failed check.
+diagnose() {
+    in_container systemctl status --no-pager -l cached 2>&1 | tail -n 15 | indent || true
+    in_container journalctl -u cached -b --no-pager -n 25 2>&1 | indent || true
+}
+
+cleanup() {
+    local rc=$?
+    set +e
+    trap - ERR   # what fails here (a process already gone) is expected
+    if [ -n "${nspawn_pid:-}" ] && kill -0 "$nspawn_pid" 2>/dev/null; then
+        [ -n "${leader:-}" ] && T=15 in_container systemctl poweroff >/dev/null 2>&1
+        for _ in $(seq 150); do kill -0 "$nspawn_pid" 2>/dev/null || break; sleep 0.1; done
+        # nspawn turns SIGTERM into a poweroff of the container; SIGKILL is the last resort.
+        kill -TERM "$nspawn_pid" 2>/dev/null
+        for _ in $(seq 50); do kill -0 "$nspawn_pid" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL "$nspawn_pid" 2>/dev/null
+        wait "$nspawn_pid" 2>/dev/null
+    fi
+    if [ -n "${s3_pid:-}" ]; then
+        kill -TERM "$s3_pid" 2>/dev/null
+        for _ in $(seq 50); do kill -0 "$s3_pid" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL "$s3_pid" 2>/dev/null
+        wait "$s3_pid" 2>/dev/null
+    fi
+    if [ -n "${debootstrap_pid:-}" ]; then
+        kill -TERM -- "-$debootstrap_pid" 2>/dev/null
+        for _ in $(seq 50); do kill -0 -- "-$debootstrap_pid" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL -- "-$debootstrap_pid" 2>/dev/null
+        wait "$debootstrap_pid" 2>/dev/null
+    fi
+    [ -n "${building:-}" ] && remove_tree "$building" && rm -f "$building".{log,reqs}
+    [ -n "${work:-}" ] && rm -rf "$work"
+    exit "$rc"
+}
+
+# --- checks -------------------------------------------------------------------------------
+# The install of the docs: deploy/systemd/install.sh, run by root inside the booted system
+# (systemd running: it reloads and enables). Then the operator's edits: the config points
+# at moto, with a small hot tier and a free HTTP port (the host's network is shared); the
+# socket stays the default. Credentials go into /etc/cached/env.
+check_install() {
+    local t0=$EPOCHREALTIME out
+    if ! out=$(T=600 in_container env PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheels \
+        /src/deploy/systemd/install.sh 2>&1); then
+        printf '%s\n' "$out" | tail -n 20 | indent
+        fail "install: deploy/systemd/install.sh failed (output above)"
+        exit 1
+    fi
+    local took
+    took=$(since "$t0")
+    local http_port
+    http_port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    in_container sh -c 'cat > /etc/cached/config.toml' <<EOF
+[server]
+http = "127.0.0.1:$http_port"
+
+[cache]
+capacity = "64MiB"
+min_free = "16MiB"
+
+[s3]
+endpoint_url = "$endpoint"
+EOF
+    printf 'AWS_ACCESS_KEY_ID=deploy-check\nAWS_SECRET_ACCESS_KEY=deploy-check\n' |
+        in_container sh -c 'cat > /etc/cached/env'
+    metrics_url="http://127.0.0.1:$http_port/metrics"
+    local modes enabled
+    modes=$(in_container stat -c '%a %U:%G %n' /etc/cached/config.toml /etc/cached/env | paste -sd, -)
+    enabled=$(in_container systemctl is-enabled cached || true)
+    if [ "$(in_container readlink /usr/local/bin/cached)" = /opt/cached/bin/cached ] &&
+        in_container /usr/local/bin/cached --version >/dev/null &&
+        [ "$modes" = "644 root:root /etc/cached/config.toml,600 root:root /etc/cached/env" ] &&
+        [ "$enabled" = enabled ]; then
+        pass "install: install.sh in ${took} s; /usr/local/bin/cached -> /opt/cached; $modes; $enabled"
+    else
+        fail "install: symlink, modes or enable wrong: $modes; $enabled"
+    fi
+}
+
+check_start() {
+    local t0=$EPOCHREALTIME rc=0
+    T=90 in_container systemctl start cached || rc=$?
+    local took active
+    took=$(since "$t0")
+    active=$(in_container systemctl is-active cached || true)
+    local exec_us ready_us
+    exec_us=$(prop ExecMainStartTimestampMonotonic)
+    ready_us=$(prop ActiveEnterTimestampMonotonic)
+    if [ "$rc" -eq 0 ] && [ "$active" = active ]; then
+        pass "start: active after systemctl start returned in ${took} s" \
+            "(exec to READY=1: $(awk -v a="$exec_us" -v b="$ready_us" 'BEGIN { printf "%.2f", (b - a) / 1e6 }') s)"
+    else
+        fail "start: systemctl start exited $rc after ${took} s, unit is '$active'"
+        diagnose
+        return 1
+    fi
+    log "journalctl -u cached -b (the start):"
+    in_container journalctl -u cached -b --no-pager -o short-monotonic | head -n 20 | indent
+    local status
+    status=$(prop StatusText)
+    # The daemon sends STATUS= with READY=1 and refreshes it while it runs.
+    if [[ $status == serving* ]]; then
+        pass "status: StatusText=$status"
+    else
+        fail "status: StatusText='$status', want the daemon's \"serving: ...\" line"
+    fi
+    local metrics
+    metrics=$(in_container /opt/cached/bin/python -c \
+        'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' \
+        "$metrics_url" 2>&1 || true)
+    if grep -q '^process_start_time_seconds ' <<<"$metrics"; then
+        pass "metrics: $(grep '^process_start_time_seconds ' <<<"$metrics") ($metrics_url, from inside)"
+    else
+        fail "metrics: no process_start_time_seconds on $metrics_url"
+        head -n 5 <<<"$metrics" | indent
+    fi
+}
+
+# The default unit: srwxrwxrwx in a 0755 /run/cached, so any local user connects.
+check_socket_default() {
+    local sock dir
+    sock=$(in_container stat -c '%A %U:%G' /run/cached/cached.sock 2>&1 || true)
+    dir=$(in_container stat -c '%a %U:%G' /run/cached 2>&1 || true)
+    if [[ $sock == "srwxrwxrwx "* ]] && [[ $dir == "755 "* ]]; then
+        pass "socket (default unit): /run/cached/cached.sock $sock, /run/cached $dir"
+    else
+        fail "socket (default unit): /run/cached/cached.sock '$sock', /run/cached '$dir'; want srwxrwxrwx, 755"
+    fi
+    in_container useradd --no-create-home --shell /usr/sbin/nologin bob
+    local out rc=0 gets
+    out=$(read_as bob 2>&1) || rc=$?
+    gets=$(shard_gets)
+    if [ "$rc" -eq 0 ]; then
+        pass "read (default unit) as bob, any local user: $out; $gets shard GETs at S3"
+    else
+        fail "read (default unit) as bob: exit $rc: $out"
+        diagnose
+    fi
+}
+
+# SIGKILL is a failure, so Restart=on-failure starts a new instance after RestartSec=2s; it
+# finds the shards of the first in the hot tier and fetches nothing.
+check_sigkill() {
+    local old_pid gets_before restarts_before
+    old_pid=$(prop MainPID)
+    restarts_before=$(prop NRestarts)
+    gets_before=$(shard_gets)
+    local t0=$EPOCHREALTIME new_pid="" active=""
+    in_container systemctl kill -s SIGKILL cached
+    for _ in $(seq 300); do   # 30 s
+        new_pid=$(prop MainPID)
+        active=$(in_container systemctl is-active cached || true)
+        if [ "$active" = active ] && [ "$new_pid" != 0 ] && [ "$new_pid" != "$old_pid" ]; then
+            break
+        fi
+        sleep 0.1
+    done
+    local took restarts
+    took=$(since "$t0")
+    restarts=$(prop NRestarts)
+    if [ "$active" != active ] || [ "$new_pid" = "$old_pid" ]; then
+        fail "SIGKILL: no restart within 30 s (unit '$active', MainPID $old_pid -> $new_pid)"
+        diagnose
+        return
+    fi
+    local out rc=0 status fetched shards gets
+    out=$(read_as bob 2>&1) || rc=$?
+    status=$(in_container cached status --json 2>&1 || true)
+    fetched=$("$py" -c 'import json, sys; print(int(json.loads(sys.argv[1])["counters"]["fetched_bytes"]))' "$status" 2>/dev/null || echo "?")
+    shards=$("$py" -c 'import json, sys; print(json.loads(sys.argv[1])["hot"]["shards"])' "$status" 2>/dev/null || echo "?")
+    gets=$(shard_gets)
+    local figures="active again after ${took} s (MainPID $old_pid -> $new_pid, NRestarts $restarts_before -> $restarts); read: $out; new instance: $shards shards in the hot tier, fetched_bytes=$fetched; shard GETs at S3 $gets_before -> $gets"
+    if [ "$rc" -eq 0 ] && [ "$fetched" = 0 ] && [ "$gets" = "$gets_before" ]; then
+        pass "SIGKILL restart, hot tier warm: $figures"
+    else
+        fail "SIGKILL restart, hot tier warm: $figures"
+    fi
+}
+
+check_stop() {
+    local t0=$EPOCHREALTIME rc=0
+    T=45 in_container systemctl stop cached || rc=$?
+    local took result code status
+    took=$(since "$t0")
+    result=$(prop Result)
+    code=$(prop ExecMainCode)
+    status=$(prop ExecMainStatus)
+    # ExecMainCode 1 = CLD_EXITED: the daemon exited on its own, not killed by a signal.
+    if [ "$rc" -eq 0 ] && [ "$result" = success ] && [ "$code" = 1 ] && [ "$status" = 0 ] &&
+        awk -v t="$took" 'BEGIN { exit !(t < 30) }'; then
+        pass "stop: ${took} s (TimeoutStopSec=$(prop TimeoutStopUSec)), Result=$result, exit status $status"
+    else
+        fail "stop: ${took} s, systemctl exit $rc, Result=$result, ExecMainCode=$code, ExecMainStatus=$status"
+        diagnose
+    fi
+}
+
+# The documented way to admit one group (docs/operations.md): a static user `cached` and
+# the drop-in written there, taken from the docs so that the check follows them.
+check_group_dropin() {
+    local dropin
+    dropin=$(sed -n '/^systemctl edit cached/,/^systemctl restart cached/p' \
+        "$repo/docs/operations.md" | sed -n 's/^#   //p')
+    if ! grep -q '^User=cached' <<<"$dropin"; then
+        fail "group drop-in: not found in docs/operations.md (a 'systemctl edit cached' block)"
+        return
+    fi
+    in_container useradd --system --user-group --no-create-home --shell /usr/sbin/nologin cached
+    in_container useradd --no-create-home --shell /usr/sbin/nologin alice
+    in_container usermod -aG cached alice
+    in_container mkdir -p /etc/systemd/system/cached.service.d
+    in_container sh -c 'cat > /etc/systemd/system/cached.service.d/override.conf' <<<"$dropin"
+    in_container systemctl daemon-reload
+    local rc=0
+    T=90 in_container systemctl restart cached || rc=$?
+    if [ "$rc" -ne 0 ]; then
+        fail "group drop-in: the unit did not start with it (systemctl exit $rc)"
+        diagnose
+        return
+    fi
+    local sock dir
+    sock=$(in_container stat -c '%A %U:%G' /run/cached/cached.sock 2>&1 || true)
+    dir=$(in_container stat -c '%a %U:%G' /run/cached 2>&1 || true)
+    if [ "$sock" = "srwxrwx--- cached:cached" ] && [ "$dir" = "750 cached:cached" ]; then
+        pass "socket (group drop-in): /run/cached/cached.sock $sock, /run/cached $dir"
+    else
+        fail "socket (group drop-in): '$sock', '$dir'; want srwxrwx--- cached:cached, 750 cached:cached"
+    fi
+    local out rc_a=0 rc_b=0
+    out=$(read_as alice 2>&1) || rc_a=$?
+    if [ "$rc_a" -eq 0 ]; then
+        pass "read (group drop-in) as alice, in group cached: $out"
+    else
+        fail "read (group drop-in) as alice, in group cached: exit $rc_a: $out"
+    fi
+    out=$(read_as bob 2>&1) || rc_b=$?
+    # A read error that says why: not a timeout or a daemon that went away.
+    if [ "$rc_b" -eq 2 ] && grep -qi 'permission denied' <<<"$out"; then
+        pass "refused (group drop-in) bob, not in the group: $out"
+    else
+        fail "refused (group drop-in) bob, not in the group: exit $rc_b, want a "permission denied" read error: $out"
+    fi
+    T=45 in_container systemctl stop cached || true
+}
+
+# The whole run's journal of the unit: the one SIGKILL above is the only crash; nothing
+# died of a signal it did not get from us (SIGSYS: SystemCallFilter=, SIGSEGV:
+# MemoryDenyWriteExecute=, SIGABRT: the watchdog or libzmq), no traceback, no error line.
+check_journal() {
+    local journal bad kills
+    journal=$(in_container journalctl -u cached -b --no-pager -o cat)
+    [ -n "${DEPLOY_CHECK_JOURNAL:-}" ] && indent <<<"$journal"
+    kills=$(grep -c 'status=9/KILL' <<<"$journal" || true)
+    bad=$(grep -E 'Traceback|status=[0-9]+/(SYS|SEGV|ABRT|BUS|ILL)|code=dumped|[Ww]atchdog timeout| ERROR | CRITICAL ' <<<"$journal" || true)
+    if [ -z "$bad" ] && [ "$kills" -le 1 ]; then
+        pass "journal: $(wc -l <<<"$journal") lines of the unit, no traceback, no error, no crash besides our SIGKILL"
+    else
+        fail "journal: unexpected lines ($kills SIGKILLs):"
+        head -n 20 <<<"$bad" | indent
+    fi
+}
+
+main() {
+    skip_unless_possible
+    trap cleanup EXIT
+    # An unexpected error (set -e) names itself before the cleanup.
+    trap 'fail "unexpected: \"$BASH_COMMAND\" exited $? (line $LINENO)"' ERR
+    trap 'exit 130' INT TERM
+    read_apt_source
+    ensure_root
+    ensure_wheels
+    work=$(mktemp -d /tmp/cached-deploy-check.XXXXXX)
+    mkdir -m 0755 "$work/share"   # /check in the container, read by alice and bob
+    cp "$repo/deploy/check/systemd_check.py" "$work/share/"
+    start_s3
+    cp "$work/manifest.json" "$work/share/"
+    chmod 0644 "$work/share/"*
+    boot
+    check_install
+    if check_start; then
+        check_socket_default
+        check_sigkill
+        check_stop
+        check_group_dropin
+        check_journal
+    fi
+    log "systemd-analyze security (inside): $(in_container systemd-analyze security --no-pager cached 2>&1 | tail -n 1 | sed 's/^→ *//')"
+    if [ "$failures" -eq 0 ]; then
+        log "all checks passed in $(since "$started") s"
+    else
+        log "$failures check(s) FAILED, $(since "$started") s"
+        exit 1
+    fi
+}
+
+main "$@"
