@@ -1,45 +1,56 @@
 # The cached daemon as a container image (no torch: the daemon never imports it).
-#   docker build -t cached .
-#   docker run --rm -e CACHED_SERVER_HTTP=0.0.0.0:9464 -p 9464:9464 cached
+#   docker build -t cached:0.1.0 .
+#   docker run --rm -e CACHED_SERVER_HTTP=0.0.0.0:9464 -p 127.0.0.1:9464:9464 cached:0.1.0
+# cached:0.1.0 is the one image name of all three deployment forms: this build,
+# docker-compose.yml and deploy/k8s/daemonset.yaml.
+#
+# The example training job of docker-compose.yml (cached_client + torch) has its own
+# file, deploy/compose/trainer.Dockerfile, not a stage here: a builder without BuildKit
+# (Debian's docker.io, DOCKER_BUILDKIT=0) builds every stage of a file whatever the
+# target, and a torch stage here cost the daemon's build a 5.9 GB torch download there.
 # See docs/operations.md for docker-compose and Kubernetes.
-FROM python:3.11-slim
 
-ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
+# The base, pinned by digest so that a rebuild gets the same bytes; the digest is that
+# of the multi-arch index (one pin for amd64 and arm64). A tag alone moves with every
+# Debian or CPython patch release. To update (security fixes land in the base):
+#   docker buildx imagetools inspect python:3.11-slim    # the "Digest:" line
+# then replace the digest below, rebuild, and run the tests. Python 3.11 is the floor
+# of pyproject.toml (requires-python, tomllib in deploy/install-daemon.sh).
+# BASE can be swapped at build time (`--build-arg BASE=...`): a mirror of this same
+# image, or a local image where no registry is reachable.
+ARG BASE=python:3.11-slim@sha256:1042b61448fef4ba92d16a8c7eb4996d027568ce64792a7877fd88511e0af7c6
+
+# ---- build: the daemon in a virtual environment at /opt/cached -----------------------
+# A throwaway stage: pip builds the two packages in the source tree (build/,
+# *.egg-info), and neither the sources nor those leftovers reach the final image, which
+# copies /opt/cached alone. A venv rather than the base's site-packages, so that one
+# COPY carries the whole install and nothing else of the build stage comes along.
+FROM ${BASE} AS build
+ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-
 WORKDIR /src
-
-# Why the install is split in steps: cached-daemon depends on cached-client (it shares
-# its wire protocol module), and cached-client depends on torch, which the daemon
-# never imports and which would add gigabytes to the image. pip's resolver follows the
-# dependencies of an already-installed package too, so both packages go in with
-# --no-deps and their real dependencies are installed explicitly:
-#   1. the client without torch, then the client's other dependencies (pyzmq, numpy);
-#   2. the daemon's dependencies, read from pyproject.toml (minus cached-client) so
-#      this file cannot drift from it, then the daemon itself.
-# pip then reports "cached-client requires torch, which is not installed": expected.
-# Only the package sources are copied: the build context may hold a .venv.
+# Only what the install needs (.dockerignore keeps the rest out of the build context);
+# the dependency lists come from the two pyproject.toml files, read by the script.
 COPY client/pyproject.toml client/
 COPY client/cached_client client/cached_client
-RUN pip install --no-deps ./client \
- && pip install "pyzmq>=26" "numpy>=1.24"
-
-# README.md* : pyproject.toml names a readme; the glob keeps the build working while
-# the file does not exist yet.
-COPY pyproject.toml README.md* ./
-RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('cached-client')))" > /tmp/daemon-requirements.txt \
- && pip install -r /tmp/daemon-requirements.txt \
- && rm /tmp/daemon-requirements.txt
+COPY pyproject.toml README.md ./
 COPY cached cached
-RUN pip install --no-deps . \
- && rm -rf /src/build /src/*.egg-info
+COPY deploy/install-daemon.sh deploy/
+# The shared installer (also used by the systemd install): the daemon without torch.
+RUN python3 -m venv /opt/cached \
+ && sh deploy/install-daemon.sh /opt/cached/bin/python /src
+
+# ---- the daemon's image ---------------------------------------------------------------
+FROM ${BASE}
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PATH=/opt/cached/bin:$PATH
+COPY --from=build /opt/cached /opt/cached
 
 # A fixed non-root uid, so hostPath/volume ownership can be prepared for it
 # (Kubernetes: runAsUser/fsGroup 10001).
-RUN groupadd --system --gid 10001 cached \
- && useradd --system --uid 10001 --gid cached --no-create-home --home-dir /nonexistent \
+RUN groupadd --gid 10001 cached \
+ && useradd --uid 10001 --gid cached --no-create-home --home-dir /nonexistent \
       --shell /usr/sbin/nologin cached \
  && mkdir -p /var/cache/cached /run/cached \
  && chown cached:cached /var/cache/cached /run/cached
@@ -50,7 +61,10 @@ VOLUME ["/var/cache/cached"]
 
 # Numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
 USER 10001:10001
-WORKDIR /var/cache/cached
+# Not the hot tier (the daemon owns that directory's contents) and not writable: the
+# daemon writes nowhere relative to its working directory, and a stray relative write
+# should fail loudly rather than land among the cached shards.
+WORKDIR /opt/cached
 
 # The HTTP admin endpoint (/metrics, /healthz, /readyz, /status). The daemon binds
 # 127.0.0.1:9464 by default, unreachable from outside the container: set

@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test check lint types unit bench bench-small gpu-check clean
+.PHONY: demo test check lint types unit bench bench-small gpu-check deploy-lint deploy-check system-deps clean
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,8 @@ demo: $(STAMP)
 	$(VENV)/bin/cached demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check cached client tests bench
-	$(VENV)/bin/ruff format --check cached client tests bench
+	$(VENV)/bin/ruff check cached client tests bench deploy
+	$(VENV)/bin/ruff format --check cached client tests bench deploy
 
 types: $(STAMP)
 	$(VENV)/bin/mypy
@@ -30,8 +30,9 @@ types: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest -q
 
-# `check` is what `test` runs: format, lint, types, the test suite, and the benchmark smoke runs.
-check: lint types unit bench-small
+# `check` is what `test` runs: format, lint, types, the deployment files' static checks, the
+# test suite, and the benchmark smoke runs.
+check: lint types deploy-lint unit bench-small
 
 test: check
 
@@ -54,6 +55,25 @@ bench-small: $(STAMP)
 # prints "no CUDA: GPU parts skipped" and exits 0 (a skip, not a pass).
 gpu-check: $(STAMP)
 	$(PY) bench/gpu_check.py
+
+# Debian packages the deployment checks use (docker-compose, debootstrap, systemd-container),
+# installed when missing and this is root; otherwise each check says in one line what it skips.
+system-deps:
+	deploy/check/system-deps.sh
+
+# The deployment files, checked without running them: hadolint on the Dockerfile,
+# `docker-compose config` on the compose file, every Kubernetes manifest against the
+# Kubernetes schemas in strict mode.
+deploy-lint: $(STAMP) system-deps
+	$(VENV)/bin/hadolint Dockerfile deploy/compose/trainer.Dockerfile deploy/compose/moto.Dockerfile
+	deploy/check/compose-config.sh
+	$(PY) deploy/check/k8s.py
+
+# The systemd unit as shipped, run under a real systemd (systemd-nspawn -b of a Debian
+# root): readiness, socket permissions, group access, warm restart after SIGKILL, clean stop.
+# Needs root and systemd-nspawn; elsewhere it says so in one line and skips.
+deploy-check: $(STAMP) system-deps
+	deploy/check/systemd.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .demo

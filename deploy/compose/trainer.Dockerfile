@@ -1,0 +1,50 @@
+# The example training job of docker-compose.yml: cached_client + torch, and
+# deploy/compose/trainer.py. Built from the repository root (the context):
+#   docker build -f deploy/compose/trainer.Dockerfile -t cached-trainer:0.1.0 .
+# A file of its own rather than a stage of ../../Dockerfile, so that the daemon's image
+# never waits for torch (see the comment there). Same base, same pin, same BASE arg
+# (keep the digests in step).
+ARG BASE=python:3.11-slim@sha256:1042b61448fef4ba92d16a8c7eb4996d027568ce64792a7877fd88511e0af7c6
+
+# ---- build: cached_client + torch in a virtual environment at /opt/trainer -----------
+# A throwaway stage, like the daemon's: pip builds the client in the source tree.
+FROM ${BASE} AS build
+# Which torch. The default, plain `torch` from the package index pip is configured with,
+# is on x86_64 Linux the CUDA build: several GB of wheels (the nvidia-* libraries), of
+# no use on a laptop without an NVIDIA GPU; on arm64 (Apple silicon) it is the CPU
+# build. For the CPU build on x86_64, set TORCH_INDEX_URL to PyTorch's CPU-only wheel
+# index (its address is on pytorch.org's "Get Started" page: the one ending in /whl/cpu);
+# pip then prefers torch from there (its version is 2.x.y+cpu, above PyPI's 2.x.y),
+# about a tenth of the download. TORCH_SPEC may pin a version (torch==2.13.0) or be the
+# URL of a wheel file.
+ARG TORCH_SPEC=torch
+ARG TORCH_INDEX_URL=
+WORKDIR /src
+COPY client/pyproject.toml client/
+COPY client/cached_client client/cached_client
+# torch first and alone, so that TORCH_INDEX_URL applies to it; then the client, whose
+# other dependencies (pyzmq, numpy) come from the default index.
+RUN python3 -m venv /opt/trainer \
+ && /opt/trainer/bin/pip install --no-cache-dir --disable-pip-version-check -q \
+      ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC" \
+ && /opt/trainer/bin/pip install --no-cache-dir --disable-pip-version-check -q ./client
+
+# ---- the trainer's image ------------------------------------------------------------
+FROM ${BASE}
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PATH=/opt/trainer/bin:$PATH
+COPY --from=build /opt/trainer /opt/trainer
+COPY deploy/compose/trainer.py /opt/trainer/trainer.py
+# The daemon's uid: the ipc socket the daemon creates (umask 022) is writable by its
+# owner only, and connecting to a unix socket needs write permission on it.
+# /run/cached is the mount point of the socket's volume; a new named volume takes the
+# owner of this directory, whichever of the two containers mounts it first.
+RUN groupadd --gid 10001 cached \
+ && useradd --uid 10001 --gid cached --no-create-home --home-dir /nonexistent \
+      --shell /usr/sbin/nologin cached \
+ && mkdir -p /run/cached \
+ && chown cached:cached /run/cached
+USER 10001:10001
+WORKDIR /opt/trainer
+ENTRYPOINT ["python", "/opt/trainer/trainer.py"]
