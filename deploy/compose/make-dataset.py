@@ -2,7 +2,7 @@
 shards of small synthetic images into it, then exits.
 
 Runs in the daemon's image (cached:0.1.0), which has everything it needs: botocore (a
-dependency of aiobotocore), numpy, and ``cached.local.make_tar``. It speaks the plain S3
+dependency of aiobotocore), numpy, and ``cached.demo.make_shard``. It speaks the plain S3
 API, so it works against any S3-compatible server, not MinIO alone.
 
 Idempotent: the shards are deterministic (fixed seeds) and a shard that is already there
@@ -17,38 +17,17 @@ Each sample is ``<key>.npy`` (a uint8 3x32x32 image, numpy's format) and ``<key>
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import botocore.session
-import numpy as np
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from cached.local import make_tar
-
-SHAPE = (3, 32, 32)
-CLASSES = 10
-
-
-def shard(index: int, samples: int) -> bytes:
-    """One tar of ``samples`` images; each class is a fixed pattern plus noise."""
-    patterns = np.random.default_rng(0).integers(0, 256, (CLASSES, *SHAPE))
-    rng = np.random.default_rng(1_000_003 + index)
-
-    def members() -> Iterator[tuple[str, dict[str, bytes]]]:
-        for i in range(samples):
-            label = int(rng.integers(CLASSES))
-            image = np.clip(patterns[label] + rng.normal(0, 40, SHAPE), 0, 255)
-            npy = io.BytesIO()
-            np.save(npy, image.astype(np.uint8))
-            yield f"{index:06d}-{i:06d}", {"npy": npy.getvalue(), "cls": str(label).encode()}
-
-    return make_tar(members())
+# The demo's synthetic images: a fixed pattern per class plus noise (learnable, deterministic).
+from cached.demo import make_shard
 
 
 def s3_client(endpoint: str) -> Any:
@@ -82,7 +61,7 @@ def main() -> int:
     written = kept = total = 0
     for i in range(shards):
         key = f"{prefix}shard-{i:06d}.tar"
-        body = shard(i, per_shard)
+        body = make_shard(i, per_shard)
         total += len(body)
         try:
             head = s3.head_object(Bucket=bucket, Key=key)
