@@ -373,6 +373,26 @@ check_start() {
     fi
 }
 
+# WatchdogSec=60s: systemd passes WATCHDOG_USEC, and the daemon's event loop pings every
+# 5 s (its STATUS= period, shorter than half the watchdog). systemd records each ping in
+# WatchdogTimestamp: it must move while the daemon runs, or a healthy daemon would be
+# killed after a minute.
+check_watchdog() {
+    local first now tries=0 t0=$EPOCHREALTIME
+    first=$(prop WatchdogTimestampMonotonic)
+    now=$first
+    while [ "$now" = "$first" ] && [ "$tries" -lt 60 ]; do   # 12 s: two ping periods and more
+        sleep 0.2
+        tries=$((tries + 1))
+        now=$(prop WatchdogTimestampMonotonic)
+    done
+    if [ "$now" != "$first" ] && [ "$now" != 0 ]; then
+        pass "watchdog: WatchdogSec=$(prop WatchdogUSec), a ping recorded after $(since "$t0") s of waiting"
+    else
+        fail "watchdog: WatchdogTimestamp did not move in 12 s (WatchdogSec=$(prop WatchdogUSec))"
+    fi
+}
+
 # The default unit: srwxrwxrwx in a 0755 /run/cached, so any local user connects.
 check_socket_default() {
     local sock dir
@@ -535,6 +555,7 @@ main() {
     boot
     check_install
     if check_start; then
+        check_watchdog
         check_socket_default
         check_sigkill
         check_stop
