@@ -42,6 +42,8 @@ bench: $(STAMP)
 	$(PY) bench/epochs.py
 	$(PY) bench/cache_sim.py
 	$(PY) bench/malloc.py
+	$(PY) bench/loop_stall.py
+	$(PY) bench/verify.py
 
 bench-small: $(STAMP)
 	$(PY) bench/serve.py --small
@@ -49,6 +51,8 @@ bench-small: $(STAMP)
 	$(PY) bench/epochs.py --small
 	$(PY) bench/cache_sim.py --small
 	$(PY) bench/malloc.py --small
+	$(PY) bench/loop_stall.py --small
+	$(PY) bench/verify.py --small
 
 # On a GPU node (with a CUDA build of torch): byte-exact batches on the GPU under a slow
 # consumer, and host-to-device bandwidth; under 3 minutes. Without CUDA it runs the CPU parts,

@@ -238,7 +238,8 @@ class Daemon(DaemonProcess):
         config = write_config(
             workdir / f"{name}.toml",
             {
-                "server": {"socket": socket, "http": "127.0.0.1:0"},
+                # The benchmarks' shards are local files: file:// is not allowed by default.
+                "server": {"socket": socket, "http": "127.0.0.1:0", "allow": ["s3://", "file:///"]},
                 "cache": {"dir": str(cache_dir), "capacity": capacity, "min_free": 0},
             },
         )

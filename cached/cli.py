@@ -14,9 +14,10 @@ from typing import Any
 from cached_client.errors import CachedClientError
 from cached_client.protocol import SOCKET_ENV, Op
 
-from . import __version__
+from . import __version__, logs
 from .config import Config, format_size, load
 from .errors import CachedError
+from .logs import LIBS_ENV
 
 log = logging.getLogger("cached")
 
@@ -51,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"cached {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--debug-libs",
+        action="store_true",
+        default=None,
+        help=f"log the libraries' lines too (botocore, aiohttp...; also ${LIBS_ENV}=1); "
+        "credentials are redacted",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the daemon")
@@ -76,14 +84,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``cached`` command."""
     args = _parser().parse_args(argv)
-    # Under systemd (stderr goes to the journal, which says so in $JOURNAL_STREAM) the
-    # journal stamps each line itself: a second time stamp would only be noise.
-    stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format=stamp + "%(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    # Third-party loggers stay at WARNING unless asked for: botocore's debug lines carry
+    # request headers, session tokens included (cached/logs.py).
+    logs.setup(verbose=args.verbose, libs=args.debug_libs)
     try:
         code = _run(args)
         sys.stdout.flush()  # here, where a closed pipe is handled, not at exit

@@ -78,6 +78,18 @@ class ServerConfig:
     lease_timeout_s: float = 120.0
     # Largest number of samples one read request may ask for.
     max_read_samples: int = 4096
+    # Caps on what one client (a ZeroMQ connection) may hold: reader plans (one per
+    # reader; a DataLoader worker is a client of its own), and shards pinned by its reads.
+    max_plans_per_client: int = 64
+    max_leases_per_client: int = 4096
+    # The ipc socket's mode and group, set right after bind whatever the umask: "0660"
+    # admits the daemon's user and group; a group name or gid gives the socket to that
+    # group (the daemon's user must be a member). Unused for tcp://.
+    socket_mode: str = "0660"
+    socket_group: str | None = None
+    # URL prefixes a client may ask for (cached/access.py). file:// is not in the default:
+    # a client could name any file the daemon can read.
+    allow: tuple[str, ...] = ("s3://",)
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,9 @@ class CacheConfig:
     policy: str = "belady"
     # How long a fetch waits for readers to release pinned shards before CacheFull.
     pin_wait_s: float = 30.0
+    # Check each served member's checksum before sending it (rotten bytes are dropped and
+    # fetched again). Off: only shards reloaded at start are checked, once, before use.
+    verify_reads: bool = True
 
 
 @dataclass(frozen=True)
@@ -110,6 +125,9 @@ class S3Config:
     retry_base_delay_s: float = 0.1
     retry_max_delay_s: float = 5.0
     verify_checksum: bool = True
+    # Seconds the store's answer about an object (size, ETag) is trusted before an open
+    # asks again (one HEAD); 0: at every open. A replaced object is served within this.
+    revalidate_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -228,6 +246,8 @@ def _coerce(f: dataclasses.Field[Any], value: Any, where: str, key: str, from_te
             return Path(str(value)).expanduser()
         if kind == "str | None":
             return None if value in ("", None) else str(value)
+        if kind == "tuple[str, ...]":
+            return _strings(value, from_text)
         if not isinstance(value, str):
             raise ValueError(f"not a string: {value!r}")
         return value
@@ -253,7 +273,38 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"{where}: [s3] addressing_style must be path, virtual or auto")
     if cfg.cache.capacity_bytes <= 0:
         raise ConfigError(f"{where}: [cache] capacity must be positive")
+    _validate_access(cfg.server, where)
     _validate_cold(cfg.cold, where)
+
+
+def _strings(value: Any, from_text: bool) -> tuple[str, ...]:
+    """A list of strings: a TOML array, or comma-separated in an environment variable."""
+    if from_text:
+        return tuple(item.strip() for item in str(value).split(",") if item.strip())
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"not a list of strings: {value!r}")
+    return tuple(value)
+
+
+def _validate_access(server: ServerConfig, where: str) -> None:
+    if not re.fullmatch(r"0?[0-7]{3}", server.socket_mode):
+        raise ConfigError(
+            f'{where}: [server] socket_mode must be octal digits like "0660", '
+            f"not {server.socket_mode!r}"
+        )
+    if not server.allow:
+        raise ConfigError(
+            f"{where}: [server] allow is empty, so no client could read anything; "
+            'list the URL prefixes clients may ask for, e.g. ["s3://"]'
+        )
+    for prefix in server.allow:
+        # Matched after normalization (cached/access.py): a file:// prefix must name a
+        # directory, or "file:///data" would also admit /database.
+        if not (prefix.startswith("s3://") or re.match(r"^file:///(.*/)?$", prefix)):
+            raise ConfigError(
+                f"{where}: [server] allow entries must be s3://[BUCKET/PREFIX] or "
+                f"file:///ABSOLUTE/DIRECTORY/ (ending with /), not {prefix!r}"
+            )
 
 
 def _validate_cold(cold: ColdConfig, where: str) -> None:

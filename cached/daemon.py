@@ -22,6 +22,8 @@ from .config import Config, format_size
 from .errors import CachedError
 from .fetcher import Fetcher
 from .http import AdminHTTP
+from .lock import DirLock
+from .loopwatch import LoopWatch
 from .metrics import Metrics
 from .planner import Planner
 from .policy import make_policy
@@ -49,6 +51,7 @@ class Daemon:
         self._stack = contextlib.AsyncExitStack()
         self._tasks: set[asyncio.Task[None]] = set()
         self.systemd = Notifier()
+        self.loop_watch = LoopWatch(self.metrics.loop_lag_seconds)
         self.planner = Planner(cfg.prefetch.plan_timeout_s)
         self.hot = HotTier(
             cfg.cache.dir,
@@ -57,12 +60,16 @@ class Daemon:
             make_policy(cfg.cache.policy, self.planner),
             pin_wait_s=cfg.cache.pin_wait_s,
             on_evict=self._count_eviction,
+            verify_reads=cfg.cache.verify_reads,
         )
 
     async def __aenter__(self) -> Daemon:
         self.systemd.notify(f"STATUS=loading the hot tier from {self.cfg.cache.dir}")
         try:
-            reloaded = self._load_hot_tier()
+            # Before anything in the directory is touched: a second daemon on it would
+            # delete this one's partial downloads and evict its shards (cached/lock.py).
+            self._stack.enter_context(DirLock(self.cfg.cache.dir))
+            reloaded = await self._load_hot_tier()
             log.info("hot tier %s: %d complete shards reloaded", self.cfg.cache.dir, reloaded)
             m = self.metrics
             self.sources = await self._stack.enter_async_context(
@@ -94,8 +101,13 @@ class Daemon:
                     m,
                     lease_timeout_s=self.cfg.server.lease_timeout_s,
                     max_read_samples=self.cfg.server.max_read_samples,
+                    max_plans_per_client=self.cfg.server.max_plans_per_client,
+                    max_leases_per_client=self.cfg.server.max_leases_per_client,
                     status=self.status,
                     planner=self.planner,
+                    socket_mode=self.cfg.server.socket_mode,
+                    socket_group=self.cfg.server.socket_group,
+                    allow=self.cfg.server.allow,
                 )
             )
             try:
@@ -114,6 +126,7 @@ class Daemon:
         self._spawn(self.server.expire_leases(), "leases")
         self._spawn(self.prefetcher.run(), "prefetch")
         self._spawn(self._refresh_gauges(), "gauges")
+        self._spawn(self.loop_watch.run(), "loop watch")
         if self.systemd.enabled:
             self._spawn(self._tell_systemd(), "systemd")
         self.ready = True
@@ -137,6 +150,12 @@ class Daemon:
             _, pending = await asyncio.wait(self._tasks, timeout=DRAIN_TIMEOUT_S)
             if pending:
                 log.warning("%d background tasks did not stop in time", len(pending))
+        # In this order: requests under way finish or are answered shutting_down (the
+        # receive loop stopped above, so none is added), promotions get the drain time,
+        # downloads are cancelled (no partial file stays), and only then do the sources
+        # (the S3 client) close, with the rest of the stack.
+        if hasattr(self, "server"):
+            await self.server.drain(DRAIN_TIMEOUT_S)
         if hasattr(self, "fetcher"):
             # A promotion half done is harmless (the next miss reads the cold tier), but
             # one about to finish saves the next node that read: give it the drain time.
@@ -144,6 +163,7 @@ class Daemon:
                 await asyncio.wait_for(self.fetcher.drain(), DRAIN_TIMEOUT_S)
             except TimeoutError:
                 log.warning("promotions to the warm tier did not finish in time")
+            await self.fetcher.stop()
         await self._stack.aclose()
         log.info("cached stopped")
 
@@ -173,6 +193,7 @@ class Daemon:
                 "capacity_bytes": hot.capacity_bytes,
                 "pinned_shards": hot.pinned,
                 "fetching_shards": hot.fetching,
+                "unverified_shards": hot.unverified,
                 "policy": self.cfg.cache.policy,
             },
             "tiers": {
@@ -192,6 +213,7 @@ class Daemon:
                 "served_samples": _value(m.served_samples),
                 "served_bytes": _value(m.served_bytes),
                 "retries": _value(m.retries),
+                "corrupt_shards": _value(m.corrupt_shards),
             },
             "streams": self.server.leases.streams() if hasattr(self, "server") else 0,
             "prefetch": {
@@ -200,14 +222,21 @@ class Daemon:
                 "prefetches": _value(m.prefetches),
             },
             "plans": self.planner.summary(),
+            "store": self.fetcher.store_status() if hasattr(self, "fetcher") else None,
+            "loop": {
+                "worst_lag_s": round(self.loop_watch.worst_s, 4),
+                "worst_lag_last_minute_s": round(self.loop_watch.recent_worst_s(), 4),
+            },
         }
 
-    def _load_hot_tier(self) -> int:
+    async def _load_hot_tier(self) -> int:
         """Load the hot tier, with one clear error for a directory that cannot be used,
         and a warning when the capacity cannot be reached on this file system."""
         directory = self.cfg.cache.dir
         try:
-            reloaded = self.hot.load()
+            # In a worker thread: scanning thousands of shard files is blocking file-system
+            # work, which stays off the event loop.
+            reloaded = await asyncio.to_thread(self.hot.load)
         except OSError as exc:
             raise CachedError(
                 f"cannot use the hot tier directory {directory} ([cache] dir): "

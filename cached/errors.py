@@ -68,6 +68,12 @@ class VersionMismatch(CachedError):
     code = ErrorCode.VERSION
 
 
+class LimitExceeded(CachedError):
+    """A client asked for more state (plans, pinned shards) than one client may hold."""
+
+    code = ErrorCode.LIMIT
+
+
 class OutOfRange(CachedError, IndexError):
     """A read past the last sample of a shard."""
 

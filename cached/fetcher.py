@@ -3,6 +3,12 @@
 ``ensure(url)`` returns the READY shard for a URL, fetching it if needed. Two callers
 asking for one shard share one download. A demand miss (a reader waiting) takes the next
 free download slot before any prefetch does.
+
+The object's version comes from :class:`~cached.lookups.Lookups` (revalidated at opens
+after ``[s3] revalidate_s``; the resident copy's during an outage). An object replaced
+during its download (``ObjectChanged``) is looked up again and the new version fetched.
+A resident shard reloaded at start is served once the hot tier may serve it (checked,
+or checked member by member as it is read).
 """
 
 from __future__ import annotations
@@ -16,11 +22,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from .errors import CachedError, FetchError
+from .lookups import Lookups
 from .metrics import Metrics
-from .sources.base import ObjectInfo, Sink
+from .sources.base import ObjectChanged, ObjectInfo, Rewind, Sink
+from .sources.retry import StoreUnavailable
 from .tiers.hot import HotTier, NotAdmitted, Shard
 
 log = logging.getLogger(__name__)
@@ -36,6 +44,9 @@ AHEAD = 2
 ADMISSION_RETRY_S = 0.05
 # How often a reader's open ahead looks whether the prefetcher started on its shard.
 AHEAD_POLL_S = 0.25
+# Times an open follows an object replaced while it was being downloaded, before it
+# gives up (an object rewritten faster than it can be read).
+CHANGED_RETRIES = 3
 
 
 @dataclass
@@ -113,9 +124,14 @@ class PrioritySlots:
 class SourceLike(Protocol):
     """What the fetcher needs of the remote tiers (``cached.sources.chain.TierChain``)."""
 
+    @property
+    def revalidate_s(self) -> float: ...
+
     async def head(self, url: str) -> ObjectInfo: ...
 
-    async def fetch(self, info: ObjectInfo, sink: Sink) -> None: ...
+    async def fetch(
+        self, info: ObjectInfo, sink: Sink, *, rewind: Rewind | None = None
+    ) -> None: ...
 
     def promote_enabled(self, info: ObjectInfo) -> bool: ...
 
@@ -147,41 +163,84 @@ class Fetcher:
         self._urls: dict[str, str] = {}
         urgency = None if next_use is None else (lambda sid: next_use(self._urls.get(sid, "")))
         self._slots = PrioritySlots(concurrency, keep=1, urgency=urgency)
-        self._infos: dict[str, ObjectInfo] = {}
-        self._heads: dict[str, asyncio.Task[ObjectInfo]] = {}
+        self.lookups = Lookups(
+            sources.head,
+            self._offline,
+            revalidate_s=sources.revalidate_s,
+            on_answer=self._answered,
+        )
         self._inflight: dict[str, asyncio.Task[Shard]] = {}
         self._promotions: set[asyncio.Task[None]] = set()
+        self.corrupt_shards = metrics.corrupt_shards
+        metrics.store_reachable.set_function(lambda: float(self.lookups.health.reachable))
+        hot.on_corrupt(lambda _shard, found: self.corrupt_shards.labels(found).inc())
+        # Reloaded shards are read back in the background; readiness does not wait.
+        self._checks: asyncio.Task[None] | None = None
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing to check in
+            self._checks = asyncio.get_running_loop().create_task(
+                hot.verify_all(), name="check reloaded shards"
+            )
 
-    async def info(self, url: str) -> ObjectInfo:
-        """The object's size and version, looked up once per URL per daemon lifetime."""
-        known = self._infos.get(url)
-        if known is not None:
-            return known
-        task = self._heads.get(url)
-        if task is None:
-            task = asyncio.create_task(self.sources.head(url))
-            self._heads[url] = task
-            task.add_done_callback(lambda _t: self._heads.pop(url, None))
-        info = await asyncio.shield(task)
-        self._infos[url] = info
-        return info
+    async def info(self, url: str, *, revalidate: bool = False) -> ObjectInfo:
+        """The object's size and version (see :meth:`Lookups.get`): what is known, or with
+        ``revalidate`` (an open) asked again once older than ``[s3] revalidate_s``."""
+        return await self.lookups.get(url, revalidate=revalidate)
+
+    def store_status(self) -> dict[str, Any]:
+        """The store's reachability for ``/status``: ``{"reachable", "since", "last_error"}``."""
+        return self.lookups.health.status()
+
+    def _offline(self, url: str) -> ObjectInfo | None:
+        """What the hot tier's copy of ``url`` says of itself, to serve it without the store."""
+        shard = self.hot.latest(url)
+        if shard is None or shard.info is None or shard_id(shard.info) != shard.shard_id:
+            return None  # not resident, or from a sidecar that predates its origin
+        return shard.info
+
+    def _answered(self, info: ObjectInfo) -> None:
+        """The store described ``info``: a resident copy from an old sidecar learns it."""
+        shard = self.resident(info)
+        if shard is not None and shard.info is None:
+            self.hot.record_origin(shard, info)
 
     def resident(self, info: ObjectInfo) -> Shard | None:
         """The READY shard for this object, if the hot tier has it (a look, not a use)."""
         return self.hot.get(shard_id(info), access=False)
 
-    async def ensure(self, url: str, priority: int = DEMAND) -> tuple[Shard, bool]:
+    async def ensure(
+        self, url: str, priority: int = DEMAND, *, revalidate: bool = True
+    ) -> tuple[Shard, bool]:
         """The READY shard for ``url`` and whether it was already resident (a hit).
 
+        ``revalidate``: an open, which asks the store again about an answer older than
+        ``[s3] revalidate_s``; reads pass False and keep to the version known.
         Raises ``FetchError`` (``ObjectNotFound``...), ``NotATarError`` or ``CacheFull``.
         """
-        info = await self.info(url)
+        info = await self.info(url, revalidate=revalidate)
+        for attempt in range(1, CHANGED_RETRIES + 1):
+            try:
+                return await self._ensure(info, priority)
+            except ObjectChanged:
+                if attempt == CHANGED_RETRIES:
+                    raise
+            # Replaced while it downloaded: fetch the version the store has now.
+            info = await self.info(url, revalidate=True)
+        raise AssertionError("unreachable")
+
+    async def _usable(self, shard: Shard | None) -> Shard | None:
+        """``shard`` if it may be served now: a reloaded shard without member checksums
+        is checked first (dropped, and None, if it fails)."""
+        if shard is None or not self.hot.needs_check(shard):
+            return shard
+        return shard if await self.hot.verify(shard) else None
+
+    async def _ensure(self, info: ObjectInfo, priority: int) -> tuple[Shard, bool]:
         sid = shard_id(info)
-        shard = self.hot.get(sid)
+        shard = await self._usable(self.hot.get(sid))
         if shard is not None:
             return shard, True
         if priority == AHEAD:
-            shard = await self._resident_soon(sid, self.hot.pin_wait_s)
+            shard = await self._usable(await self._resident_soon(sid, self.hot.pin_wait_s))
             if shard is not None:
                 return shard, False
             priority = DEMAND
@@ -234,15 +293,25 @@ class Fetcher:
 
     async def prefetch(self, info: ObjectInfo) -> bool:
         """Fetch an object ahead of its readers, if the eviction policy admits it (it
-        would displace only shards needed later). Returns whether the shard is resident."""
-        if self.resident(info) is not None:
+        would displace only shards needed later). Returns whether the shard is resident.
+        The version is revalidated first (as an open would), so that a prefetch does not
+        bring a version the reader's open will find replaced."""
+        info = await self.info(info.url, revalidate=True)
+        for attempt in range(1, CHANGED_RETRIES + 1):
+            if self.resident(info) is not None:
+                return True
+            task = self._join(shard_id(info), info, PREFETCH)
+            try:
+                await asyncio.shield(task)
+            except NotAdmitted:
+                return False
+            except ObjectChanged:
+                if attempt == CHANGED_RETRIES:
+                    raise
+                info = await self.info(info.url, revalidate=True)
+                continue
             return True
-        task = self._join(shard_id(info), info, PREFETCH)
-        try:
-            await asyncio.shield(task)
-        except NotAdmitted:
-            return False
-        return True
+        raise AssertionError("unreachable")
 
     def _join(self, sid: str, info: ObjectInfo, priority: int) -> asyncio.Task[Shard]:
         """The download of ``sid`` under way, or a new one at ``priority``."""
@@ -269,11 +338,9 @@ class Fetcher:
         await self._slots.acquire(priority, sid)
         started = time.monotonic()
         try:
-            writer = await self.hot.reserve(
-                sid, info.url, info.version, info.size, prefetch=priority == PREFETCH
-            )
+            writer = await self.hot.reserve(sid, info, prefetch=priority == PREFETCH)
             try:
-                await self.sources.fetch(info, writer.write)
+                await self.sources.fetch(info, writer.write, rewind=writer.rewind)
                 shard = await writer.publish()
             except BaseException:
                 writer.abort()
@@ -281,8 +348,13 @@ class Fetcher:
         except CachedError as exc:
             self.metrics.fetches.labels(tier, type(exc).__name__).inc()
             # A shard that failed must be looked up again next time (it may be fixed).
-            self._infos.pop(info.url, None)
-            log.warning("fetch of %s failed: %s", info.url, exc)
+            self.lookups.forget(info.url)
+            if isinstance(exc, StoreUnavailable):
+                self.lookups.unreachable(exc, info.url)
+            if isinstance(exc, ObjectChanged):
+                log.info("%s changed while it was fetched: %s", info.url, exc)
+            else:
+                log.warning("fetch of %s failed: %s", info.url, exc)
             raise
         except OSError as exc:
             self.metrics.fetches.labels(tier, "OSError").inc()
@@ -322,6 +394,19 @@ class Fetcher:
         task = asyncio.create_task(upload(), name=f"promote {info.url}")
         self._promotions.add(task)
         task.add_done_callback(self._promotions.discard)
+
+    async def stop(self) -> None:
+        """Cancel the downloads and lookups under way and wait for them; each download
+        removes its partial file as it ends (``writer.abort``). At shutdown, once no request
+        waits on them and before the sources close, so none outlives the S3 client."""
+        # The background checks stop at their next read; their threads are not waited for.
+        self.hot.close()
+        tasks = [t for t in (*self._inflight.values(), self._checks) if t and not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await self.lookups.stop()
 
     async def drain(self) -> None:
         """Wait for promotions under way (at shutdown, within the daemon's drain time)."""

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -49,7 +49,8 @@ def make_tar(samples: Iterable[tuple[str, Mapping[str, bytes]]]) -> bytes:
 
 
 def write_config(path: Path, cfg: Mapping[str, Mapping[str, Any]]) -> Path:
-    """Write a TOML config from nested mappings of strings, numbers and booleans."""
+    """Write a TOML config from nested mappings of strings, numbers, booleans and lists of
+    strings."""
     lines = []
     for section, values in cfg.items():
         lines.append(f"[{section}]")
@@ -58,6 +59,8 @@ def write_config(path: Path, cfg: Mapping[str, Mapping[str, Any]]) -> Path:
                 lines.append(f"{key} = {'true' if value else 'false'}")
             elif isinstance(value, int | float):
                 lines.append(f"{key} = {value}")
+            elif isinstance(value, list | tuple):
+                lines.append(f"{key} = {json.dumps([str(v) for v in value])}")  # a TOML array
             else:
                 lines.append(f"{key} = {json.dumps(str(value))}")  # a TOML basic string
     path.write_text("\n".join(lines) + "\n")
@@ -73,8 +76,10 @@ class DaemonProcess:
         socket: str,
         env: Mapping[str, str] | None = None,
         log: Path | None = None,
+        flags: Sequence[str] = (),
     ) -> None:
         self.config = config
+        self.flags = list(flags)  # before `serve`: e.g. -v
         self.socket = socket
         self.log = log or config.with_suffix(".log")
         # A caller's CACHED_* variables would override the config under test.
@@ -88,11 +93,15 @@ class DaemonProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def command(self) -> list[str]:
+        """The daemon's command line (a benchmark may run a variant of the daemon)."""
+        return [sys.executable, "-m", "cached", *self.flags, "serve", "--config", str(self.config)]
+
     def start(self, timeout_s: float = 60.0) -> Self:
         """Start it and wait until it answers a handshake."""
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cached", "serve", "--config", str(self.config)],
+                self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,

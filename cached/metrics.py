@@ -103,3 +103,21 @@ class Metrics:
         )
         self.plans = Gauge("cached_plans", "Reader plans the daemon follows", registry=r)
         self.streams = Gauge("cached_streams", "Client streams with a live lease", registry=r)
+        self.corrupt_shards = Counter(
+            "cached_corrupt_shards_total",
+            "Shards found corrupt in the hot tier and dropped (found: read, when a read's "
+            "members failed their checksums; check, when a reloaded shard was read back)",
+            ["found"],
+            registry=r,
+        )
+        self.store_reachable = Gauge(
+            "cached_store_reachable",
+            "1 while the object store answers, 0 during an outage (resident shards served)",
+            registry=r,
+        )
+        self.loop_lag_seconds = Histogram(
+            "cached_event_loop_lag_seconds",
+            "How late the event loop woke a periodic task: how long it was blocked",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )

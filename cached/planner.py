@@ -21,7 +21,7 @@ import bisect
 import heapq
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 # A stream that has not moved yet is assumed to read at the median rate of the others, or
@@ -31,6 +31,9 @@ DEFAULT_RATE = 1.0
 RATE_ALPHA = 0.3
 # Observations closer together than this are merged (cursor moves of pipelined reads).
 MIN_RATE_INTERVAL_S = 0.05
+# Index work on a plan (a million URLs is a plan the protocol allows) is done in steps of
+# this many URLs, so that the daemon's event loop can serve between them.
+INDEX_STEP = 20_000
 
 
 @dataclass
@@ -60,6 +63,13 @@ class Plan:
         return positions[i] if i < len(positions) else None
 
 
+def prepare(key: str, urls: Sequence[str], *, cursor: int = 0, job: str = "") -> Plan:
+    """A plan ready for :meth:`Planner.install`. Touches no planner state, so the daemon
+    builds a long plan (its position index is the costly part) in a worker thread."""
+    urls = list(urls)
+    return Plan(key, urls, job=job, cursor=min(cursor, len(urls)))
+
+
 class Planner:
     """Every live stream's plan. Not thread-safe: the daemon calls it from its event loop.
 
@@ -84,25 +94,44 @@ class Planner:
 
     def update(self, key: str, urls: Sequence[str], *, cursor: int = 0, job: str = "") -> None:
         """Set (or replace) stream ``key``'s plan. A replacement keeps the observed rate."""
+        for _ in self.install(prepare(key, urls, cursor=cursor, job=job)):
+            pass
+
+    def install(self, plan: Plan, step: int = INDEX_STEP) -> Iterator[None]:
+        """Publish ``plan`` (made by :func:`prepare`), replacing its stream's old one; a
+        replacement keeps the observed rate. A generator: it yields every ``step`` URLs of
+        index work, so the daemon can serve in between (run it to the end; one install at
+        a time). Until the plan is published, an index entry without its plan is skipped.
+        """
+        yield from self._index(plan, step)
         now = self.clock()
-        old = self._plans.get(key)
-        plan = Plan(key, list(urls), job=job, cursor=min(cursor, len(urls)), seen=now)
-        plan._moved_at, plan._moved_from = now, plan.cursor
+        plan.seen = plan._moved_at = now
+        plan._moved_from = plan.cursor
+        old = self._plans.get(plan.key)
         if old is not None:
             plan.rate = old.rate
-            self._unindex(old)
-        self._plans[key] = plan
-        for url in plan._positions:
-            self._naming.setdefault(url, set()).add(key)
+        self._plans[plan.key] = plan
         self._changed()
+        if old is not None:
+            yield from self._unindex(old, step, keep=plan)
 
-    def _unindex(self, plan: Plan) -> None:
-        for url in plan._positions:
-            keys = self._naming.get(url)
-            if keys is not None:
-                keys.discard(plan.key)
-                if not keys:
-                    del self._naming[url]
+    def _index(self, plan: Plan, step: int) -> Iterator[None]:
+        for i, url in enumerate(plan._positions, 1):
+            self._naming.setdefault(url, set()).add(plan.key)
+            if i % step == 0:
+                yield
+
+    def _unindex(self, plan: Plan, step: int, keep: Plan | None = None) -> Iterator[None]:
+        """Drop ``plan``'s index entries, except those of URLs its replacement ``keep`` names."""
+        for i, url in enumerate(plan._positions, 1):
+            if keep is None or url not in keep._positions:
+                keys = self._naming.get(url)
+                if keys is not None:
+                    keys.discard(plan.key)
+                    if not keys:
+                        del self._naming[url]
+            if i % step == 0:
+                yield
 
     def advance(self, key: str, cursor: int) -> None:
         """Stream ``key`` reads position ``cursor`` of its plan (piggy-backed on reads)."""
@@ -124,12 +153,24 @@ class Planner:
 
     def expire(self) -> int:
         """Drop plans whose stream went quiet for ``timeout_s``; returns how many."""
+        steps = self.expiring()
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                count: int = done.value
+                return count
+
+    def expiring(self, step: int = INDEX_STEP) -> Generator[None, None, int]:
+        """:meth:`expire` in steps, like :meth:`install`; its return value is the count."""
         limit = self.clock() - self.timeout_s
-        lapsed = [key for key, plan in self._plans.items() if plan.seen < limit]
-        for key in lapsed:
-            self._unindex(self._plans.pop(key))
+        lapsed = [plan for plan in self._plans.values() if plan.seen < limit]
+        for plan in lapsed:
+            del self._plans[plan.key]
         if lapsed:
             self._changed()
+        for plan in lapsed:
+            yield from self._unindex(plan, step)
         return len(lapsed)
 
     def on_change(self, listener: Callable[[], None]) -> None:
@@ -163,7 +204,9 @@ class Planner:
         at or after its cursor. 0 means a stream is reading it now."""
         best = math.inf
         for key in self._naming.get(url, ()):
-            plan = self._plans[key]
+            plan = self._plans.get(key)
+            if plan is None:  # indexed, not yet published, or dropped and being unindexed
+                continue
             pos = plan.next_position(url)
             if pos is not None:
                 best = min(best, (pos - plan.cursor) / self.rate(plan))

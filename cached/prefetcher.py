@@ -39,6 +39,11 @@ RESCAN_S = 1.0
 RETRY_AFTER_S = 30.0
 # Sizes of the window's shards are looked up this many at a time.
 HEAD_BATCH = 16
+# A URL whose lookup failed (missing, denied, the store down) is left out of the window
+# for this long, doubling with each further failure up to the cap: one bad URL in one
+# plan must not stop prefetch for every plan on the node, nor be asked for at every scan.
+LOOKUP_BACKOFF_S = 5.0
+LOOKUP_BACKOFF_MAX_S = 300.0
 
 
 class Prefetcher:
@@ -61,6 +66,8 @@ class Prefetcher:
         self.limit = max(1, concurrency - 1)
         self._active: dict[str, asyncio.Task[None]] = {}
         self._failed: dict[str, float] = {}
+        # URL -> (retry after, current backoff) for lookups that failed.
+        self._unknown: dict[str, tuple[float, float]] = {}
         self._wake = asyncio.Event()
         # Seconds until the first planned shard that is not resident is needed.
         self.lead_s = math.inf
@@ -75,10 +82,7 @@ class Prefetcher:
         try:
             while True:
                 self._wake.clear()
-                try:
-                    await self.fill()
-                except CachedError as exc:  # a HEAD failed: its readers will see it on demand
-                    log.debug("prefetch scan stopped: %s", exc)
+                await self.fill()
                 self.metrics.prefetch_lead_seconds.set(min(self.lead_s, 1e9))
                 self.metrics.plans.set(len(self.planner.plans()))
                 with contextlib.suppress(TimeoutError):
@@ -92,6 +96,10 @@ class Prefetcher:
         lead = math.inf
         now = time.monotonic()
         self._failed = {url: until for url, until in self._failed.items() if until > now}
+        # A failed lookup that no plan has brought back for a long while is forgotten, so
+        # URLs that clients stopped naming do not accumulate.
+        stale = now - LOOKUP_BACKOFF_MAX_S
+        self._unknown = {u: entry for u, entry in self._unknown.items() if entry[0] > stale}
         for when, url, info in await self._window(self.planner.upcoming()):
             if self.fetcher.resident(info) is not None:
                 continue
@@ -111,17 +119,41 @@ class Prefetcher:
         batches, not one round trip after another."""
         out: list[tuple[float, str, ObjectInfo]] = []
         budget = self.lookahead_bytes
+        now = time.monotonic()
+        looked_up = (
+            (when, url) for when, url in upcoming if self._unknown.get(url, (0.0, 0.0))[0] <= now
+        )
         while budget > 0:
-            batch = list(itertools.islice(upcoming, HEAD_BATCH))
+            batch = list(itertools.islice(looked_up, HEAD_BATCH))
             if not batch:
                 break
-            infos = await asyncio.gather(*(self.fetcher.info(url) for _, url in batch))
+            infos = await asyncio.gather(
+                *(self.fetcher.info(url) for _, url in batch), return_exceptions=True
+            )
             for (when, url), info in zip(batch, infos, strict=True):
+                if isinstance(info, CachedError):
+                    self._lookup_failed(url, info)
+                    continue
+                if isinstance(info, BaseException):
+                    raise info  # a bug or a cancellation, not a bad URL
+                self._unknown.pop(url, None)
                 if budget <= 0:
                     break
                 out.append((when, url, info))
                 budget -= info.size
         return out
+
+    def _lookup_failed(self, url: str, exc: CachedError) -> None:
+        """Leave ``url`` out of the window for a while; warn on its first failure only
+        (its readers get the error themselves when they open it)."""
+        _, backoff = self._unknown.get(url, (0.0, 0.0))
+        if not backoff:
+            log.warning(
+                "prefetch skips %s: %s (retried with backoff; other shards go on)", url, exc
+            )
+        backoff = min(LOOKUP_BACKOFF_MAX_S, backoff * 2 or LOOKUP_BACKOFF_S)
+        self._unknown[url] = (time.monotonic() + backoff, backoff)
+        self.metrics.prefetches.labels("lookup_failed").inc()
 
     async def _prefetch(self, info: ObjectInfo) -> None:
         try:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +19,24 @@ import zmq
 import zmq.asyncio
 from cached_client.protocol import PROTOCOL_VERSION, ErrorCode, Header, Op, decode, encode, error
 from cached_client.protocol import ProtocolError as WireProtocolError
-from cached_client.urls import parse
+from cached_client.urls import check_all, parse
 
-from . import __version__
+from . import __version__, socketmode
+from .access import DEFAULT_ALLOW, Access
 from .errors import CachedError, OutOfRange, ProtocolError, VersionMismatch
 from .fetcher import AHEAD, DEMAND, PREFETCH, Fetcher, shard_id
 from .metrics import Metrics
-from .planner import Planner
-from .tiers.hot import HotTier, Shard
+from .planner import Plan, Planner, prepare
+from .quota import PerClient
+from .tiers.hot import HotTier, Shard, ShardCorrupt
+from .tiers.index import Member
 
 log = logging.getLogger(__name__)
+
+# Plans longer than this are checked and indexed off the event loop (see _plan), and
+# headers larger than this are decoded off it.
+PLAN_OFFLOAD_URLS = 10_000
+DECODE_OFFLOAD_BYTES = 1 << 20
 
 # Requests handled at once; past it the server stops reading and ZeroMQ queues push back.
 MAX_ACTIVE_REQUESTS = 1024
@@ -36,6 +44,9 @@ MAX_ACTIVE_REQUESTS = 1024
 # Zero-copy costs a reference hand-off through pyzmq's garbage-collector thread per frame
 # (29% of the daemon's CPU at 100 KB frames); a copy of 1 MiB costs less (docs/decisions.md).
 COPY_THRESHOLD_BYTES = 1 << 20
+# Requests nest two levels (a plan's list of URLs); deeper JSON is refused when decoded, so
+# no handler ever walks (or prints) a structure deep enough to exhaust the stack.
+MAX_REQUEST_DEPTH = 8
 # An open's flags -> how the fetcher treats a miss.
 _PRIORITY = {"demand": DEMAND, "prefetch": PREFETCH, "ahead": AHEAD}
 
@@ -44,15 +55,18 @@ class Leases:
     """Which stream holds which shard. A held shard is pinned; a lease lapses after a timeout
     without requests, so a killed client cannot pin shards forever."""
 
-    def __init__(self, hot: HotTier, timeout_s: float) -> None:
+    def __init__(self, hot: HotTier, timeout_s: float, per_client: int = 4096) -> None:
         self.hot = hot
         self.timeout_s = timeout_s
         self._held: dict[tuple[str, str], tuple[Shard, float]] = {}
+        self.quota = PerClient("pinned shards", per_client, "[server] max_leases_per_client")
 
-    def hold(self, stream: str, shard: Shard) -> None:
-        """Pin ``shard`` for ``stream`` (once per pair) and refresh the lease."""
+    def hold(self, stream: str, shard: Shard, client: bytes = b"") -> None:
+        """Pin ``shard`` for ``stream`` (once per pair) and refresh the lease. Raises
+        :class:`LimitExceeded` when ``client`` already holds its most leases."""
         key = (stream, shard.shard_id)
         if key not in self._held:
+            self.quota.admit(client, key)
             self.hot.pin(shard)
         self._held[key] = (shard, time.monotonic() + self.timeout_s)
 
@@ -60,6 +74,7 @@ class Leases:
         """Drop the stream's lease on a shard, if any."""
         held = self._held.pop((stream, shard_id), None)
         if held is not None:
+            self.quota.forget((stream, shard_id))
             self.hot.unpin(held[0])
 
     def expire(self) -> int:
@@ -73,6 +88,30 @@ class Leases:
     def streams(self) -> int:
         """Streams holding at least one lease."""
         return len({stream for stream, _ in self._held})
+
+
+def _request_id(header: Header) -> int | None:
+    """The request's ``id``, echoed in the reply: an integer, or absent."""
+    value = header.get("id")
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise ProtocolError("request field 'id' must be an integer")
+
+
+def _op(header: Header) -> str:
+    value = header.get("op")
+    if not isinstance(value, str):
+        raise ProtocolError(f"request field 'op' must be one of {', '.join(Op)}")
+    return value
+
+
+def _checked_plan(key: str, urls: list[Any], cursor: int, job: str) -> Plan:
+    """The plan a request announces, its URLs checked (a bad one fails the plan now, not a
+    prefetch later). Pure: runs in a worker thread for long plans."""
+    if not all(isinstance(u, str) for u in urls):
+        raise ProtocolError("request field 'urls' must be a list of strings")
+    check_all(urls)
+    return prepare(key, urls, cursor=cursor, job=job)
 
 
 def _str(header: Header, name: str) -> str:
@@ -108,16 +147,26 @@ class Server:
         lease_timeout_s: float = 120.0,
         max_read_samples: int = 4096,
         max_plan_shards: int = 1_000_000,
+        max_plans_per_client: int = 64,
+        max_leases_per_client: int = 4096,
         status: Callable[[], dict[str, Any]] | None = None,
         planner: Planner | None = None,
+        socket_mode: str = "0660",
+        socket_group: str | None = None,
+        allow: Sequence[str] = DEFAULT_ALLOW,
     ) -> None:
         self.endpoint = endpoint
+        self.socket_mode = socket_mode
+        self.socket_group = socket_group
+        self.access = Access(allow)
         self.fetcher = fetcher
         self.hot = hot
         self.metrics = metrics
-        self.leases = Leases(hot, lease_timeout_s)
+        self.leases = Leases(hot, lease_timeout_s, max_leases_per_client)
         self.planner = planner if planner is not None else Planner(lease_timeout_s)
         self.max_plan_shards = max_plan_shards
+        self.plan_quota = PerClient("plans", max_plans_per_client, "[server] max_plans_per_client")
+        self._plans_lock = asyncio.Lock()
         self.max_read_samples = max_read_samples
         self._status = status or (lambda: {})
         self._ctx = zmq.asyncio.Context()
@@ -129,8 +178,10 @@ class Server:
         self.instance = uuid.uuid4().hex
 
     async def __aenter__(self) -> Server:
+        gid = None
         if self.endpoint.startswith("ipc://"):
             path = Path(self.endpoint[len("ipc://") :])
+            gid = socketmode.resolve_group(self.socket_group)  # before a socket exists
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -154,10 +205,51 @@ class Server:
         except zmq.ZMQError as exc:
             sock.close()
             raise CachedError(f"cannot bind {self.endpoint}: {exc}") from exc
+        try:
+            self._set_socket_access(gid)
+        except CachedError:
+            sock.close(linger=0)
+            raise
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
         log.info("serving on %s", self.bound_endpoint)
         return self
+
+    def _set_socket_access(self, gid: int | None) -> None:
+        """``[server] socket_mode``/``socket_group`` on the ipc socket, whatever the umask."""
+        if not self.endpoint.startswith("ipc://"):
+            return
+        path = self.endpoint[len("ipc://") :]
+        if path.startswith("@"):
+            # Linux's abstract namespace: no file, no mode; the network namespace decides.
+            log.warning("%s is an abstract socket: [server] socket_mode does not apply", path)
+            return
+        try:
+            socketmode.apply(path, self.socket_mode, gid, self.socket_group)
+        except CachedError:
+            # Ours (bind replaced any file there): not left behind with the umask's mode.
+            Path(path).unlink(missing_ok=True)
+            raise
+        log.info(
+            "socket %s: mode %s, group %s",
+            path,
+            self.socket_mode,
+            self.socket_group or "the daemon's",
+        )
+
+    async def drain(self, timeout_s: float) -> None:
+        """Let the requests under way finish, for up to ``timeout_s``; the ones still
+        waiting then (a download that takes longer) are cancelled and answered
+        ``shutting_down``. For shutdown, after :meth:`serve` stopped taking requests and
+        before the sources close."""
+        if not self._tasks:
+            return
+        _, late = await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        for task in late:
+            task.cancel()
+        if late:
+            log.info("%d requests still waiting at shutdown: answered shutting_down", len(late))
+            await asyncio.gather(*late, return_exceptions=True)
 
     async def __aexit__(self, *exc: object) -> None:
         for task in list(self._tasks):
@@ -184,8 +276,18 @@ class Server:
             await asyncio.sleep(max(0.05, min(self.leases.timeout_s, self.planner.timeout_s) / 4))
             if self.leases.expire():
                 log.info("released leases of streams that went quiet")
-            if self.planner.expire():
+            async with self._plans_lock:
+                steps, dropped = self.planner.expiring(), 0
+                while True:
+                    try:
+                        next(steps)
+                    except StopIteration as done:
+                        dropped = done.value
+                        break
+                    await asyncio.sleep(0)
+            if dropped:
                 log.info("dropped the plans of streams that went quiet")
+                self.plan_quota.retain({plan.key for plan in self.planner.plans()})
             self.metrics.streams.set(self.leases.streams())
 
     def _done(self, task: asyncio.Task[None]) -> None:
@@ -197,16 +299,28 @@ class Server:
         request_id: Any = None
         op = "?"
         payload: list[Any] = []
+        cancelled = False
         try:
             if not body:
                 raise ProtocolError("empty message: expected a header frame")
-            header = decode(body[0])
-            request_id = header.get("id")
-            op = str(header.get("op"))
-            reply, payload = await self._dispatch(op, header)
+            # A plan of a million URLs is a 40 MB header: parsed off the event loop.
+            if len(body[0]) > DECODE_OFFLOAD_BYTES:
+                header = await asyncio.to_thread(decode, body[0], max_depth=MAX_REQUEST_DEPTH)
+            else:
+                header = decode(body[0], max_depth=MAX_REQUEST_DEPTH)
+            request_id = _request_id(header)
+            op = _op(header)
+            await self._check_access(op, header)
+            reply, payload = await self._dispatch(op, header, ident)
             reply["id"] = request_id
             reply["ok"] = True
             result = "ok"
+        except asyncio.CancelledError:
+            # Shutdown: the client must not wait for an answer that never comes, nor take
+            # this for a failure. It re-sends the request to the next daemon.
+            message = "the cached daemon is shutting down before it could answer"
+            reply, result = error(request_id, ErrorCode.SHUTTING_DOWN, message), "shutting_down"
+            cancelled = True
         except CachedError as exc:
             reply, result = error(request_id, exc.code, str(exc)), exc.code.value
         except (WireProtocolError, ValueError) as exc:
@@ -226,8 +340,26 @@ class Server:
         except zmq.ZMQError as exc:
             # The client went away (EHOSTUNREACH): nothing to deliver, nothing to keep.
             log.debug("reply to a vanished client dropped: %s", exc)
+        if cancelled:
+            raise asyncio.CancelledError
 
-    async def _dispatch(self, op: str, header: Header) -> tuple[Header, list[Any]]:
+    async def _check_access(self, op: str, header: Header) -> None:
+        """``[server] allow``: every URL the request names, before anything is fetched.
+        Fields of the wrong type are left to the op's own checks (``bad_request``)."""
+        if op == Op.PLAN:
+            named = header.get("urls")
+        elif op in (Op.OPEN, Op.READ, Op.CLOSE):
+            named = [header.get("url")]
+        else:
+            return
+        # An oversized plan is refused by _plan (bad_request) without this costly walk.
+        if isinstance(named, list) and len(named) <= self.max_plan_shards:
+            await self.access.check(u for u in named if isinstance(u, str))
+
+    async def _dispatch(
+        self, op: str, header: Header, client: bytes = b""
+    ) -> tuple[Header, list[Any]]:
+        """Run one request; ``client`` is the connection's routing id (for the caps)."""
         if op == Op.HELLO:
             version = header.get("v")
             if version != PROTOCOL_VERSION:
@@ -241,9 +373,9 @@ class Server:
                 "instance": self.instance,
             }, []
         if op == Op.OPEN:
-            return await self._open(header), []
+            return await self._open(header, client), []
         if op == Op.READ:
-            return await self._read(header)
+            return await self._read(header, client)
         if op == Op.CLOSE:
             url = _url(header)
             info = await self.fetcher.info(url)
@@ -252,11 +384,11 @@ class Server:
         if op == Op.STATUS:
             return {"status": self._status()}, []
         if op == Op.PLAN:
-            self._plan(header)
+            await self._plan(header, client)
             return {}, []
         raise ProtocolError(f"unknown op {op!r}; expected one of {', '.join(Op)}")
 
-    async def _shard(self, header: Header, *, count: bool) -> tuple[Shard, str]:
+    async def _shard(self, header: Header, client: bytes, *, count: bool) -> tuple[Shard, str]:
         """The shard a request names, fetched on a miss, and the stream's lease on it.
         Opens count as hits or misses; reads (which follow an open) do not."""
         url, stream = _url(header), _str(header, "stream")
@@ -264,7 +396,8 @@ class Server:
             "ahead" if header.get("ahead") else "prefetch" if header.get("prefetch") else "demand"
         )
         started = time.monotonic()
-        shard, hit = await self.fetcher.ensure(url, _PRIORITY[kind])
+        # Opens ask the store again after [s3] revalidate_s; reads keep the version known.
+        shard, hit = await self.fetcher.ensure(url, _PRIORITY[kind], revalidate=count)
         if count and hit:
             self.metrics.hits.inc()
         elif count:
@@ -272,22 +405,28 @@ class Server:
             if kind == "demand":
                 self.metrics.demand_wait_seconds.observe(time.monotonic() - started)
         if header.get("pin", True):
-            self.leases.hold(stream, shard)
+            self.leases.hold(stream, shard, client)
         return shard, stream
 
-    def _plan(self, header: Header) -> None:
+    async def _plan(self, header: Header, client: bytes) -> None:
         key = _str(header, "plan")
         urls = header.get("urls")
-        if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+        if not isinstance(urls, list):
             raise ProtocolError("request field 'urls' must be a list of strings")
         if len(urls) > self.max_plan_shards:
             raise ProtocolError(f"a plan may name at most {self.max_plan_shards} shards")
-        for url in set(urls):
-            parse(url)  # a bad URL fails the plan now, not a prefetch later
-        job = header.get("job", "")
-        self.planner.update(
-            key, urls, cursor=_int(header, "cursor") if "cursor" in header else 0, job=str(job)
-        )
+        cursor = _int(header, "cursor") if "cursor" in header else 0
+        job = str(header.get("job", ""))
+        # A long plan is checked and indexed in a worker thread, then published in steps:
+        # a million URLs would otherwise stall every other client for seconds.
+        if len(urls) > PLAN_OFFLOAD_URLS:
+            plan = await asyncio.to_thread(_checked_plan, key, urls, cursor, job)
+        else:
+            plan = _checked_plan(key, urls, cursor, job)
+        self.plan_quota.admit(client, key)
+        async with self._plans_lock:  # one install or expiry at a time
+            for _ in self.planner.install(plan):
+                await asyncio.sleep(0)
 
     def _advance(self, header: Header) -> None:
         """Reads name the stream's plan and position: the cursor rides along for free."""
@@ -295,8 +434,8 @@ class Server:
         if isinstance(key, str) and key:
             self.planner.advance(key, _int(header, "pos"))
 
-    async def _open(self, header: Header) -> Header:
-        shard, _ = await self._shard(header, count=True)
+    async def _open(self, header: Header, client: bytes) -> Header:
+        shard, _ = await self._shard(header, client, count=True)
         assert shard.index is not None
         return {
             "url": shard.url,
@@ -308,35 +447,41 @@ class Server:
             "payload": shard.index.payload_bytes,
         }
 
-    async def _read(self, header: Header) -> tuple[Header, list[Any]]:
+    async def _read(self, header: Header, client: bytes) -> tuple[Header, list[Any]]:
         start = _int(header, "start")
         count = _int(header, "count", low=1)
         if count > self.max_read_samples:
             raise ProtocolError(f"count {count} exceeds the limit of {self.max_read_samples}")
         self._advance(header)
-        shard, stream = await self._shard(header, count=False)
-        index = shard.index
-        assert index is not None
-        n = len(index.samples)
-        if start > n:
-            raise OutOfRange(f"{shard.url} has {n} samples; cannot read from sample {start}")
-        stop = min(n, start + count)
         exts = header.get("exts")
         if exts is not None and not (
             isinstance(exts, list) and all(isinstance(e, str) for e in exts)
         ):
             raise ProtocolError("request field 'exts' must be a list of strings")
         wanted = None if exts is None else frozenset(exts)
-        view = self.hot.view(shard)
-        samples: list[Any] = []
-        frames: list[memoryview] = []
-        nbytes = 0
-        for sample in index.samples[start:stop]:
-            members = [m for m in sample.members if wanted is None or m.ext in wanted]
-            samples.append([sample.key, [[m.ext, m.size] for m in members]])
-            for m in members:
-                frames.append(view[m.offset : m.offset + m.size])
-                nbytes += m.size
+        for attempt in (1, 2):
+            shard, stream = await self._shard(header, client, count=False)
+            index = shard.index
+            assert index is not None
+            n = len(index.samples)
+            if start > n:
+                raise OutOfRange(f"{shard.url} has {n} samples; cannot read from sample {start}")
+            stop = min(n, start + count)
+            samples: list[Any] = []
+            picked: list[Member] = []
+            for sample in index.samples[start:stop]:
+                members = [m for m in sample.members if wanted is None or m.ext in wanted]
+                samples.append([sample.key, [[m.ext, m.size] for m in members]])
+                picked.extend(members)
+            try:
+                # Checked against their checksums first: rotten bytes are never sent.
+                frames = await self.hot.read(shard, picked)
+                break
+            except ShardCorrupt:
+                if attempt == 2:
+                    raise
+                # The hot tier dropped the rotten copy; _shard fetches a good one.
+        nbytes = sum(m.size for m in picked)
         if stop == n:
             self.leases.release(stream, shard.shard_id)
         self.metrics.served_samples.inc(stop - start)

@@ -13,7 +13,7 @@ from cached_client.urls import parse
 
 from ..config import S3Config
 from ..errors import FetchError
-from .base import ObjectInfo, OwnsStack, Sink, Source
+from .base import ObjectInfo, OwnsStack, Rewind, Sink, Source
 from .file import FileSource
 from .retry import OnRetry
 from .s3 import S3Source
@@ -70,6 +70,6 @@ class Sources(OwnsStack):
         """Look ``url`` up in its tier (see :meth:`Source.head`)."""
         return await (await self.source_for(url)).head(url)
 
-    async def fetch(self, info: ObjectInfo, sink: Sink) -> None:
+    async def fetch(self, info: ObjectInfo, sink: Sink, *, rewind: Rewind | None = None) -> None:
         """Stream ``info.url`` from its tier into ``sink`` (see :meth:`Source.fetch`)."""
-        await (await self.source_for(info.url)).fetch(info, sink)
+        await (await self.source_for(info.url)).fetch(info, sink, rewind=rewind)

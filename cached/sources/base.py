@@ -8,8 +8,18 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
 
+from ..errors import FetchError
+
 # Receives the object's bytes in order, exactly once each; may apply back-pressure by awaiting.
 Sink = Callable[[bytes], Awaitable[None]]
+# Tells the sink to forget every byte it was given: the object is sent again from byte 0.
+Rewind = Callable[[], Awaitable[None]]
+
+
+class ObjectChanged(FetchError):
+    """The object is no longer the version it was looked up as (S3 answered 412 to
+    ``If-Match``, or a file's mtime moved): look it up again and fetch the new version.
+    Nothing of the new version reached the sink."""
 
 
 @dataclass(frozen=True)
@@ -47,12 +57,14 @@ class Source(Protocol):
         """Return the object's size and version. Raises ``ObjectNotFound`` or ``FetchError``."""
         ...
 
-    async def fetch(self, info: ObjectInfo, sink: Sink) -> None:
+    async def fetch(self, info: ObjectInfo, sink: Sink, *, rewind: Rewind | None = None) -> None:
         """Stream the object's bytes, in order, into ``sink``; verify size and checksum.
 
-        Retries transient failures within a bounded budget. Raises ``VerifyError`` on a
-        size or checksum mismatch, ``FetchTimeout`` when the budget runs out,
-        ``ObjectNotFound`` when the object disappeared, ``FetchError`` otherwise.
+        Retries transient failures within a bounded budget. With ``rewind``, a body that
+        fails its checksum is fetched again whole, within the same budget, after
+        ``rewind()``. Raises ``VerifyError`` on a size or checksum mismatch,
+        ``FetchTimeout`` when the budget runs out, ``ObjectNotFound`` when the object
+        disappeared, ``ObjectChanged`` when it was replaced, ``FetchError`` otherwise.
         """
         ...
 

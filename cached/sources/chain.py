@@ -20,7 +20,7 @@ from typing import Any
 from ..config import ColdConfig, S3Config
 from ..errors import FetchError, ObjectArchived, ObjectNotFound
 from . import Sources
-from .base import ObjectInfo, OwnsStack, Sink, Source
+from .base import ObjectInfo, OwnsStack, Rewind, Sink, Source
 from .retry import OnRetry
 from .s3 import S3Source
 
@@ -66,6 +66,11 @@ class TierChain(OwnsStack):
     def cold(self) -> ColdConfig:
         """The ``[cold]`` configuration this chain follows."""
         return self._cold_cfg
+
+    @property
+    def revalidate_s(self) -> float:
+        """How long the tiers' answer about an object is trusted (``[s3] revalidate_s``)."""
+        return self._s3_cfg.revalidate_s
 
     async def __aenter__(self) -> TierChain:
         async with AsyncExitStack() as stack:
@@ -122,14 +127,14 @@ class TierChain(OwnsStack):
                 ) from cold_miss
         return dataclasses.replace(info, url=url, source_url=cold_url, tier=COLD)
 
-    async def fetch(self, info: ObjectInfo, sink: Sink) -> None:
+    async def fetch(self, info: ObjectInfo, sink: Sink, *, rewind: Rewind | None = None) -> None:
         """Stream the object from the tier :meth:`head` found it in into ``sink``.
 
         Reads ``info.source_url or info.url``; see :meth:`Source.fetch` for the
         guarantees and errors (which name the URL actually read).
         """
         if info.source_url is None:
-            await self._warm.fetch(info, sink)
+            await self._warm.fetch(info, sink, rewind=rewind)
             return
         source_url = info.source_url
         source = (
@@ -138,7 +143,7 @@ class TierChain(OwnsStack):
             else await self._warm.source_for(source_url)
         )
         # The sources read info.url; hand them the info as the tier itself knows it.
-        await source.fetch(dataclasses.replace(info, url=source_url), sink)
+        await source.fetch(dataclasses.replace(info, url=source_url), sink, rewind=rewind)
 
     def promote_enabled(self, info: ObjectInfo) -> bool:
         """Whether a shard fetched with ``info`` should be written back to the warm tier."""

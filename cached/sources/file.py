@@ -15,7 +15,7 @@ from typing import BinaryIO
 from cached_client.urls import parse
 
 from ..errors import FetchError, ObjectNotFound, VerifyError
-from .base import ObjectInfo, OwnsStack, Sink
+from .base import ObjectChanged, ObjectInfo, OwnsStack, Rewind, Sink
 
 ENDPOINT = "file://"
 _MIN_CHUNK = 1 << 20
@@ -73,13 +73,14 @@ class FileSource(OwnsStack):
             raise FetchError(f"{url}: not a regular file")
         return ObjectInfo(url=url, endpoint=ENDPOINT, size=st.st_size, version=_version(st))
 
-    async def fetch(self, info: ObjectInfo, sink: Sink) -> None:
+    async def fetch(self, info: ObjectInfo, sink: Sink, *, rewind: Rewind | None = None) -> None:
         """Stream the file into ``sink`` in chunks, in order.
 
         Raises :class:`ObjectNotFound` if the file is gone, :class:`VerifyError` if its
-        size differs from ``info.size`` (before or while reading), :class:`FetchError`
+        size differs from ``info.size`` (before or while reading), :class:`ObjectChanged`
         if it was rewritten (same size, new mtime) since :meth:`head`. At most
-        ``info.size`` bytes ever reach the sink.
+        ``info.size`` bytes ever reach the sink. ``rewind`` is unused: a file has no
+        checksum to fail.
         """
         path = _path(info.url)
         try:
@@ -126,7 +127,7 @@ class FileSource(OwnsStack):
                 f"{st.st_size}; it changed{when}; look it up and fetch it again"
             )
         if _version(st) != info.version:
-            raise FetchError(
+            raise ObjectChanged(
                 f"{info.url}: the file changed{when} (version {_version(st)}, expected "
                 f"{info.version}); look it up and fetch it again"
             )

@@ -28,7 +28,9 @@ TIMEOUT: Final = "timeout"
 CONNECTION: Final = "connection"
 THROTTLED: Final = "throttled"
 SERVER_ERROR: Final = "server_error"
-RETRY_REASONS: Final = (TIMEOUT, CONNECTION, THROTTLED, SERVER_ERROR)
+# A whole body fetched again because it failed its checksum in transit.
+CORRUPT: Final = "corrupt"
+RETRY_REASONS: Final = (TIMEOUT, CONNECTION, THROTTLED, SERVER_ERROR, CORRUPT)
 
 # S3 and S3-compatible stores say "slow down" with these codes (503 SlowDown is S3's own).
 _THROTTLE_CODES: Final = frozenset(
@@ -47,6 +49,16 @@ _TIMEOUT_CODES: Final = frozenset({"RequestTimeout", "RequestTimeoutException"})
 
 OnRetry = Callable[[str], None]
 Classifier = Callable[[BaseException], str | None]
+
+
+class StoreUnavailable(FetchError):
+    """The retry budget ran out on transient failures (connections refused or reset,
+    timeouts, 5xx, throttling): the store did not answer, as opposed to answering no
+    (404, 403). The daemon then serves what its hot tier holds."""
+
+
+class StoreTimeout(StoreUnavailable, FetchTimeout):
+    """:class:`StoreUnavailable` whose last failure was a timeout."""
 
 
 @dataclass(frozen=True)
@@ -152,8 +164,9 @@ async def retrying(
 
     ``op`` is called afresh for every attempt; anything it must resume (a byte offset)
     it keeps itself. Errors that are not transient propagate unchanged at once. When
-    the budget of ``policy.attempts`` runs out, raises :class:`FetchTimeout` if the last
-    error was a timeout, else :class:`FetchError`; the message names ``what`` (say, the
+    the budget of ``policy.attempts`` runs out, raises :class:`StoreTimeout` (a
+    :class:`FetchTimeout`) if the last error was a timeout, else :class:`StoreUnavailable`
+    (a :class:`FetchError`); the message names ``what`` (say, the
     request and its URL), the number of attempts and the last error, which is chained.
     ``on_retry(reason)`` is called before each wait. Cancellation is never retried.
     """
@@ -176,11 +189,11 @@ async def retrying(
     tries = f"{policy.attempts} attempt(s)"
     message = f"{what}: gave up after {tries}; last error: {_describe(last)}. "
     if reason == TIMEOUT:
-        raise FetchTimeout(
+        raise StoreTimeout(
             message + "The endpoint is slow or unreachable: check it and the network, "
             "or raise [s3] read_timeout_s / retry_attempts."
         ) from last
-    raise FetchError(
+    raise StoreUnavailable(
         message + "The endpoint keeps failing: check its health and the network, "
         "or raise [s3] retry_attempts / retry_max_delay_s."
     ) from last

@@ -28,8 +28,8 @@ from cached_client.urls import ShardURL, parse
 
 from ..config import S3Config
 from ..errors import CachedError, FetchError, ObjectArchived, ObjectNotFound, VerifyError
-from .base import ObjectInfo, OwnsStack, Sink
-from .retry import OnRetry, RetryPolicy, retrying
+from .base import ObjectChanged, ObjectInfo, OwnsStack, Rewind, Sink
+from .retry import CORRUPT, OnRetry, RetryPolicy, retrying
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -55,6 +55,12 @@ _ARCHIVE_STATUSES = frozenset({"ARCHIVE_ACCESS", "DEEP_ARCHIVE_ACCESS"})
 _MIN_UPLOAD_PART = 5 << 20
 _MAX_UPLOAD_PARTS = 10_000
 _MAX_PUT = 5 << 30  # the largest single PUT S3 accepts
+
+
+class _Corrupted(VerifyError):
+    """The body failed its checksum (its MD5 against the ETag, or a checksum the store
+    sent with it): bytes were damaged in transit. Worth another try: the stored copy
+    matched that checksum when it was written."""
 
 
 class _SinkFailed(Exception):
@@ -102,7 +108,7 @@ class _Verifier:
         if self._md5 is not None:
             got = self._md5.hexdigest()
             if got != self._expected_md5:
-                raise VerifyError(
+                raise _Corrupted(
                     f"{url}: MD5 mismatch: expected {self._expected_md5} (the ETag), got "
                     f"{got}; the bytes were corrupted in transit; fetch it again (if this "
                     "store's ETags are not MD5s, set [s3] verify_checksum = false)"
@@ -180,7 +186,7 @@ def _translate(exc: Exception, url: str, endpoint: str) -> Exception:
                 "credentials the daemon runs with and the bucket policy"
             )
         if status == 412 or code in _CHANGED_CODES:
-            return FetchError(
+            return ObjectChanged(
                 f"{url}: the object changed since it was looked up (its ETag no longer "
                 "matches); look it up and fetch it again"
             )
@@ -196,7 +202,9 @@ def _translate(exc: Exception, url: str, endpoint: str) -> Exception:
             "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or give the node a role"
         )
     if isinstance(exc, boto_exc.FlexibleChecksumError):
-        return VerifyError(f"{url}: checksum mismatch reported by botocore: {exc}")
+        # The store sent a checksum of the body (x-amz-checksum-*) and the body did not
+        # match it: damaged in transit, like an MD5 mismatch.
+        return _Corrupted(f"{url}: checksum mismatch reported by botocore: {exc}")
     if isinstance(exc, boto_exc.BotoCoreError):
         return FetchError(f"{url}: {type(exc).__name__}: {exc}")
     return exc
@@ -350,23 +358,41 @@ class S3Source(OwnsStack):
             version = etag
         return ObjectInfo(url=url, endpoint=self._endpoint, size=size, version=version, etag=etag)
 
-    async def fetch(self, info: ObjectInfo, sink: Sink) -> None:
+    async def fetch(self, info: ObjectInfo, sink: Sink, *, rewind: Rewind | None = None) -> None:
         """Stream the object into ``sink`` in order, then verify size and (plain) MD5.
 
         Objects above ``part_size_bytes`` download as ranged GETs with at most
         ``part_concurrency`` in flight: memory stays within ``(part_concurrency + 1) x
         part_size_bytes``. Every GET carries ``If-Match: <ETag>``, so an object replaced
-        mid-download fails with :class:`FetchError` instead of mixing two versions.
+        mid-download fails with :class:`ObjectChanged` instead of mixing two versions.
         A failed part is retried alone; a failed single GET resumes at the first byte
         the sink has not seen. Exceptions raised by ``sink`` propagate unchanged.
+
+        A body that fails its checksum (the MD5 of a plain ETag, or an
+        ``x-amz-checksum-*`` the store sends) was damaged on the way, in a part that
+        cannot be told: with ``rewind`` it is fetched again whole after ``rewind()``, up to
+        ``[s3] retry_attempts`` times in all, each retry reported as ``corrupt``;
+        without it, or when every attempt is damaged, :class:`VerifyError`.
         """
         self._require_client()
-        verifier = _Verifier(info, self._cfg.verify_checksum)
-        if info.size > self._cfg.part_size_bytes:
-            await self._fetch_parts(info, sink, verifier)
-        else:
-            await self._fetch_stream(info, sink, verifier)
-        verifier.finish()
+        attempts = self._policy.attempts if rewind is not None else 1
+        for attempt in range(1, attempts + 1):
+            verifier = _Verifier(info, self._cfg.verify_checksum)
+            try:
+                if info.size > self._cfg.part_size_bytes:
+                    await self._fetch_parts(info, sink, verifier)
+                else:
+                    await self._fetch_stream(info, sink, verifier)
+                verifier.finish()
+                return
+            except _Corrupted as exc:
+                if rewind is None or attempt == attempts:
+                    raise
+                log.warning("%s; fetching it again (attempt %d of %d)", exc, attempt + 1, attempts)
+            if self._on_retry is not None:
+                self._on_retry(CORRUPT)
+            await asyncio.sleep(self._policy.backoff_s(attempt))
+            await rewind()
 
     def upload_part_size(self, size: int) -> int:
         """The part size :meth:`put` uses for a ``size``-byte multipart upload.

@@ -3,14 +3,22 @@
 Files, content-addressed by shard id (a hash of endpoint, URL and version):
 
 - ``<id>.tar``  the shard, byte for byte;
-- ``<id>.idx``  its sample index and origin (URL, version), written before the ``.tar``
-  is published, so a ``.tar`` without an ``.idx`` is never taken for complete;
+- ``<id>.idx``  its sample index, origin and checksums (:mod:`.sidecar`), written before
+  the ``.tar`` is published, so a ``.tar`` without an ``.idx`` is never taken for complete;
 - ``<id>.*.partial`` work in progress, removed at start.
+
+Integrity (:mod:`.verify`): the checksum of the whole file and of every member are computed
+while the shard streams in. Every read checks the members it serves against theirs
+(``verify_reads``), so bytes that rotted on disk are never sent: the shard is dropped
+and fetched again. Shards reloaded at start are also read back whole, in the
+background (:meth:`HotTier.verify_all`); one whose sidecar predates checksums is checked
+before it is first served.
 
 Shard states and transitions (only the event loop thread changes them)::
 
     absent --reserve()--> FETCHING --publish()--> READY --evict()--> absent
                               \\--abort()--> absent
+    READY --drop_corrupt()--> absent (a read or a check found it rotten)
 
 Bytes are accounted when reserved, before a download starts, so the directory never
 holds more than ``capacity_bytes``: reservation waits for readers to release pins, and
@@ -22,24 +30,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
 import logging
 import mmap
 import os
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import CacheError, CacheFull
+from ..errors import CacheError, CacheFull, NotATarError
 from ..policy import EvictionPolicy
-from .index import ShardIndex, TarIndexer
+from ..sources.base import ObjectInfo
+from .index import Member, ShardIndex, TarIndexer
+from .sidecar import Sidecar
+from .verify import ALGORITHM, StreamSums, check_file, first_bad
 
 log = logging.getLogger(__name__)
 
 
+# A read whose members add up to this many bytes is checked in a worker thread (xxhash
+# releases the GIL) rather than on the event loop, which serves everyone else meanwhile.
+THREAD_CHECK_BYTES = 8 << 20
+# An evicted shard's data file, renamed to this while a worker thread unlinks it.
+EVICTED_SUFFIX = ".evicted"
+
+
 class NotAdmitted(Exception):
     """A prefetch would have to evict a shard needed sooner than the one it brings."""
+
+
+class ShardCorrupt(CacheError):
+    """A shard's bytes in the hot tier no longer match their checksums. The hot tier has
+    dropped it; fetching it again (:meth:`Fetcher.ensure`) brings a good copy."""
 
 
 class ShardState(enum.Enum):
@@ -60,7 +83,28 @@ class Shard:
     state: ShardState = ShardState.FETCHING
     index: ShardIndex | None = None
     pins: int = 0
+    # The object as the store described it (persisted: a restart can serve the shard
+    # while the store is unreachable). None for shards from sidecars that predate it.
+    info: ObjectInfo | None = None
+    checksum: int | None = None  # of the whole file (None: an old sidecar's shard)
+    # False for a shard reloaded at start until its file has been read back and checked.
+    verified: bool = True
+    published: float = 0.0  # Unix time
+    # Counts renewals: a check that ran on an earlier copy does not judge the current one.
+    generation: int = 0
     _map: mmap.mmap | None = field(default=None, repr=False)
+
+    def renew(self, reserved_bytes: int, info: ObjectInfo) -> None:
+        """Start over as a fresh download of the same shard (after a copy was found
+        corrupt): the same object keeps the readers' pins."""
+        self.generation += 1
+        self.reserved_bytes = reserved_bytes
+        self.info = info
+        self.state = ShardState.FETCHING
+        self.index = None
+        self.checksum = None
+        self.verified = True
+        self._map = None
 
     def view(self, path: Path) -> memoryview:
         """The shard's bytes, mapped once and shared by every read (zero-copy frames)."""
@@ -81,10 +125,15 @@ class HotStats:
     capacity_bytes: int
     pinned: int
     fetching: int
+    unverified: int = 0  # reloaded shards whose file has not been read back yet
 
 
 class HotTier:
-    """The bounded shard store. All methods run on the event loop thread."""
+    """The bounded shard store. All methods run on the event loop thread.
+
+    ``verify_reads`` checks every member's checksum before its bytes are served
+    (docs/decisions.md, D21).
+    """
 
     def __init__(
         self,
@@ -95,16 +144,32 @@ class HotTier:
         *,
         pin_wait_s: float = 30.0,
         on_evict: Callable[[Shard], None] | None = None,
+        verify_reads: bool = True,
     ) -> None:
         self.dir = directory
         self.capacity_bytes = capacity_bytes
         self.min_free_bytes = min_free_bytes
         self.policy = policy
         self.pin_wait_s = pin_wait_s
+        self.verify_reads = verify_reads
         self._on_evict = on_evict
+        self._on_corrupt: list[Callable[[Shard, str], None]] = []
         self._shards: dict[str, Shard] = {}
+        self._by_url: dict[str, str] = {}  # URL -> id of its newest READY shard
+        # Shards dropped as corrupt while readers held them, by id: a new download of the
+        # same shard reuses the object, so that the readers' pins (and their later
+        # unpins) stay on the copy they read.
+        self._orphans: dict[str, Shard] = {}
+        self._checks: dict[str, asyncio.Task[bool]] = {}
+        self._writes: set[asyncio.Task[None]] = set()
+        self._stop = threading.Event()
         self._used = 0  # resident + reserved bytes
         self._changed = asyncio.Condition()
+        self.corrupt_found = 0
+        # Bytes of evicted shard files being unlinked in a worker thread: already free, as
+        # far as room for new downloads goes.
+        self._unlinking = 0
+        self._wakes: set[asyncio.Task[None]] = set()
 
     # -- start -------------------------------------------------------------------------
 
@@ -116,30 +181,63 @@ class HotTier:
         """
         self.dir.mkdir(parents=True, exist_ok=True)
         for path in self.dir.iterdir():
-            if path.name.endswith(".partial"):
+            # Downloads cut off, and evicted files a stop left before they were unlinked.
+            if path.name.endswith((".partial", EVICTED_SUFFIX)):
                 path.unlink(missing_ok=True)
         for idx_path in sorted(self.dir.glob("*.idx")):
             shard_id = idx_path.stem
             tar = self._tar(shard_id)
             try:
-                meta, index = _read_sidecar(idx_path.read_bytes())
-                if not tar.exists() or tar.stat().st_size != index.size_bytes:
-                    raise CacheError("data file missing or of the wrong size")
-            except (CacheError, ValueError, KeyError, OSError) as exc:
+                car = Sidecar.from_bytes(idx_path.read_bytes())
+                st = tar.stat()
+                if st.st_size != car.index.size_bytes:
+                    raise CacheError("data file of the wrong size")
+            except (CacheError, OSError) as exc:
                 log.warning("dropping incomplete shard %s: %s", shard_id, exc)
                 idx_path.unlink(missing_ok=True)
                 tar.unlink(missing_ok=True)
                 continue
-            size = index.size_bytes + idx_path.stat().st_size
-            shard = Shard(shard_id, meta["url"], meta["version"], size, ShardState.READY, index)
+            size = car.index.size_bytes + idx_path.stat().st_size
+            shard = Shard(
+                shard_id,
+                car.url,
+                car.version,
+                size,
+                ShardState.READY,
+                car.index,
+                info=car.info,
+                checksum=car.checksum,
+                verified=False,
+                published=car.published or st.st_mtime,
+            )
             self._shards[shard_id] = shard
             self._used += size
-            self.policy.on_insert(shard_id, meta["url"])
+            self.policy.on_insert(shard_id, car.url)
+            self._adopt(shard)
         for tar in self.dir.glob("*.tar"):
             if tar.stem not in self._shards:
                 tar.unlink(missing_ok=True)
         self._make_room(0)
         return len(self._shards)
+
+    def _adopt(self, shard: Shard) -> None:
+        """Make a READY shard its URL's current one. Each URL keeps one version: an older
+        one (the object was replaced, or a cold copy was promoted) is not served to new
+        opens again, so it goes now rather than when eviction gets to it; one that
+        readers still hold stays until eviction reaches it, or the next start."""
+        previous = self._shards.get(self._by_url.get(shard.url, ""))
+        if previous is not None and previous is not shard:
+            if previous.published > shard.published:
+                shard, previous = previous, shard
+            if previous.pins == 0:
+                log.info(
+                    "dropping %s version %s: version %s replaces it",
+                    shard.url,
+                    previous.version,
+                    shard.version,
+                )
+                self._evict(previous)
+        self._by_url[shard.url] = shard.shard_id
 
     # -- lookup ----------------------------------------------------------------------------
 
@@ -152,6 +250,10 @@ class HotTier:
         if access:
             self.policy.on_access(shard_id)
         return shard
+
+    def latest(self, url: str) -> Shard | None:
+        """The newest READY shard of ``url``, whatever its version (a look, not a use)."""
+        return self.get(self._by_url.get(url, ""), access=False)
 
     def path(self, shard: Shard) -> Path:
         """The file of a READY shard (pin it while you use the path)."""
@@ -169,7 +271,166 @@ class HotTier:
         """Release one pin; wakes reservations waiting for room."""
         shard.pins = max(0, shard.pins - 1)
         if shard.pins == 0:
+            if self._orphans.get(shard.shard_id) is shard:
+                del self._orphans[shard.shard_id]
             self._notify()
+
+    # -- integrity -------------------------------------------------------------------------
+
+    def on_corrupt(self, listener: Callable[[Shard, str], None]) -> None:
+        """Call ``listener(shard, found)`` whenever a shard is dropped as corrupt; ``found``
+        is ``"read"`` (a read's members failed) or ``"check"`` (its file, read back)."""
+        self._on_corrupt.append(listener)
+
+    def needs_check(self, shard: Shard) -> bool:
+        """Whether ``shard`` must pass :meth:`verify` before it is served: a reloaded shard
+        not yet read back, unless every read checks its members anyway."""
+        if shard.verified:
+            return False
+        return not (self.verify_reads and shard.index is not None and shard.index.checksummed)
+
+    async def read(self, shard: Shard, members: Sequence[Member]) -> list[memoryview]:
+        """The bytes of ``members`` of a READY shard, as zero-copy views of its mapping,
+        each checked against its checksum first (with ``verify_reads``).
+
+        Raises :class:`ShardCorrupt` if one does not match; the shard is dropped then.
+        """
+        view, generation = self.view(shard), shard.generation
+        if self.verify_reads and members:
+            if sum(m.size for m in members) >= THREAD_CHECK_BYTES:
+                bad = await asyncio.to_thread(first_bad, view, members)
+            else:
+                bad = first_bad(view, members)
+            if bad is not None:
+                why = (
+                    f"member .{bad.ext} at byte {bad.offset} ({bad.size} bytes) fails its checksum"
+                )
+                if shard.generation == generation:  # else another read dropped that copy
+                    self.drop_corrupt(shard, why, "read")
+                raise ShardCorrupt(f"{shard.url}: {why} in the hot tier; fetch it again")
+        return [view[m.offset : m.offset + m.size] for m in members]
+
+    def drop_corrupt(self, shard: Shard, why: str, found: str) -> None:
+        """Remove a shard whose bytes on disk are not what was downloaded."""
+        if self._shards.get(shard.shard_id) is not shard:
+            return  # already gone (another read found it first)
+        self.corrupt_found += 1
+        log.error(
+            "corrupt shard in the hot tier: %s (version %s, %s): %s; dropped, it is fetched "
+            "again when next needed. Repeated corruption points at the disk.",
+            shard.url,
+            shard.version,
+            self._tar(shard.shard_id),
+            why,
+        )
+        self._remove(shard)
+        if shard.pins:
+            self._orphans[shard.shard_id] = shard
+        for listener in self._on_corrupt:
+            listener(shard, found)
+
+    async def verify(self, shard: Shard) -> bool:
+        """Read a reloaded shard's file back and check it; True if it may be served.
+
+        In a worker thread. A shard whose sidecar has checksums passes if its file's checksum
+        matches. One from an older sidecar is re-hashed: where its version is a plain MD5
+        (a single-part upload's ETag) that is checked, else its bytes are trusted as they
+        are (as before checksums); its sidecar is then written with the checksums. A
+        shard that fails is dropped (and fetched again when needed); False.
+        """
+        if shard.verified:
+            return True
+        sid = shard.shard_id
+        task = self._checks.get(sid)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._verify(shard), name=f"check {sid}")
+            self._checks[sid] = task
+            task.add_done_callback(lambda _t: self._checks.pop(sid, None))
+        return await asyncio.shield(task)
+
+    async def _verify(self, shard: Shard) -> bool:
+        assert shard.index is not None
+        path, generation = self._tar(shard.shard_id), shard.generation
+        found = await asyncio.to_thread(
+            check_file, path, shard.index, shard.checksum, shard.version, self._stop
+        )
+        if shard.generation != generation:
+            # A read found the copy rotten meanwhile and it was fetched again: that one is
+            # fresh (or still downloading), whatever this check found in the old file.
+            return shard.state is ShardState.READY and self._shards.get(shard.shard_id) is shard
+        if self._shards.get(shard.shard_id) is not shard or found.ok is None:
+            return False  # evicted meanwhile, or shutting down
+        if not found.ok:
+            self.drop_corrupt(shard, found.detail, "check")
+            return False
+        if shard.checksum is None:
+            # On the loop, with no await before the fields are set: one pass over members.
+            shard.index = shard.index.with_checksums(found.member_sums, ALGORITHM)
+            shard.checksum = found.whole
+            await self._rewrite_sidecar(shard)
+            log.info("%s predates checksums: %s; checksums stored", shard.url, found.detail)
+        shard.verified = True
+        return True
+
+    async def verify_all(self) -> None:
+        """Check every shard reloaded at start, one after another, off the event loop.
+
+        Readiness does not wait for it: until a shard is checked its reads are checked
+        member by member, or (without member checksums) it is checked first on demand.
+        """
+        pending = [s for s in self._shards.values() if not s.verified]
+        if not pending:
+            return
+        started, before = time.monotonic(), self.corrupt_found
+        total = sum(s.reserved_bytes for s in pending)
+        log.info("checking %d reloaded shards (%d bytes) in the background", len(pending), total)
+        for shard in pending:
+            if self._stop.is_set():
+                return
+            if self._shards.get(shard.shard_id) is shard:
+                await self.verify(shard)
+        log.info(
+            "checked %d reloaded shards in %.1fs: %d corrupt",
+            len(pending),
+            time.monotonic() - started,
+            self.corrupt_found - before,
+        )
+
+    def record_origin(self, shard: Shard, info: ObjectInfo) -> None:
+        """Remember what the store says of a shard loaded from an old sidecar (so that a
+        restart during an outage can serve it); the sidecar is rewritten in the background."""
+        if shard.info is not None or info.url != shard.url or info.version != shard.version:
+            return
+        shard.info = info
+        if shard.checksum is not None:  # else the check that computes it writes the sidecar
+            task = asyncio.get_running_loop().create_task(self._rewrite_sidecar(shard))
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+
+    async def _rewrite_sidecar(self, shard: Shard) -> None:
+        """Write a READY shard's sidecar again (atomically) and account its new size."""
+        generation = shard.generation
+        data = await asyncio.to_thread(_sidecar(shard).to_bytes)
+        idx = self._idx(shard.shard_id)
+        if self._shards.get(shard.shard_id) is not shard or shard.generation != generation:
+            return  # gone, or fetched again (its download writes its own sidecar)
+        try:
+            old = idx.stat().st_size
+            await asyncio.to_thread(_write_atomically, idx, data)
+        except OSError as exc:
+            log.warning("could not rewrite the index of %s: %s", shard.url, exc)
+            return
+        if self._shards.get(shard.shard_id) is shard:
+            shard.reserved_bytes += len(data) - old
+            self._used += len(data) - old
+        else:  # evicted while the file was written: do not leave it behind
+            idx.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Stop the background checks at their next read (shutdown)."""
+        self._stop.set()
+        for task in self._checks.values():
+            task.cancel()
 
     async def changed(self, timeout_s: float) -> None:
         """Wait until a shard is published, evicted or unpinned, or ``timeout_s`` passes."""
@@ -186,14 +447,16 @@ class HotTier:
             capacity_bytes=self.capacity_bytes,
             pinned=sum(s.pins > 0 for s in shards),
             fetching=sum(s.state is ShardState.FETCHING for s in shards),
+            unverified=sum(not s.verified for s in shards),
         )
 
     # -- writing -----------------------------------------------------------------------------
 
     async def reserve(
-        self, shard_id: str, url: str, version: str, size: int, *, prefetch: bool = False
+        self, shard_id: str, info: ObjectInfo, *, prefetch: bool = False
     ) -> ShardWriter:
-        """Account room for a shard of ``size`` bytes, evicting others, and open its writer.
+        """Account room for the object ``info`` describes, evicting others, and open its
+        writer.
 
         Waits up to ``pin_wait_s`` for pinned or in-flight shards to make room; raises
         :class:`CacheFull` after that, or at once when the shard can never fit.
@@ -202,6 +465,7 @@ class HotTier:
         later than this one); it raises :class:`NotAdmitted` without evicting anything
         when that is not enough.
         """
+        url, size = info.url, info.size
         # The index sidecar is small; reserve a margin for it and settle the real size later.
         need = size + size // 16 + 65536
         if need > self.capacity_bytes:
@@ -215,7 +479,7 @@ class HotTier:
                 raise NotAdmitted(url)
             for victim in victims:
                 self._evict(victim)
-            return self._open_writer(shard_id, url, version, need)
+            return self._open_writer(shard_id, info, need)
         deadline = time.monotonic() + self.pin_wait_s
         async with self._changed:
             while not self._make_room(need):
@@ -232,10 +496,14 @@ class HotTier:
                     await asyncio.wait_for(self._changed.wait(), left)
                 except TimeoutError:
                     continue
-            return self._open_writer(shard_id, url, version, need)
+            return self._open_writer(shard_id, info, need)
 
-    def _open_writer(self, shard_id: str, url: str, version: str, need: int) -> ShardWriter:
-        shard = Shard(shard_id, url, version, need)
+    def _open_writer(self, shard_id: str, info: ObjectInfo, need: int) -> ShardWriter:
+        shard = self._orphans.pop(shard_id, None)
+        if shard is None:
+            shard = Shard(shard_id, info.url, info.version, need, info=info)
+        else:
+            shard.renew(need, info)
         self._shards[shard_id] = shard
         self._used += need
         return ShardWriter(self, shard)
@@ -245,24 +513,29 @@ class HotTier:
         one the policy does not admit; None when that is not possible."""
         chosen: list[Shard] = []
         freed = 0
+        headroom = self._disk_headroom()
         for shard in self._evictable():
-            if not self._short(need - freed):
+            if not self._short(need - freed, headroom):
                 return chosen
             if not self.policy.admits(url, shard.shard_id):
                 # Victims come in eviction order: the policy wants the rest kept even more.
                 return None
             chosen.append(shard)
             freed += shard.reserved_bytes
-        return None if self._short(need - freed) else chosen
+        return None if self._short(need - freed, headroom) else chosen
 
     def _make_room(self, need: int) -> bool:
         """Evict in policy order until ``need`` more bytes fit under the capacity and above
         the disk's free-space floor. False when only pinned or in-flight shards are left."""
-        if not self._short(need):
+        headroom = self._disk_headroom()  # once per pass, not per candidate
+        freed = 0
+        if not self._short(need, headroom):
             return True
         for shard in self._evictable():
             self._evict(shard)
-            if not self._short(need):
+            freed += shard.reserved_bytes
+            # Its bytes left the capacity count as it went; on disk they count as freed.
+            if not self._short(need, headroom + freed):
                 return True
         return False
 
@@ -274,16 +547,21 @@ class HotTier:
             if shard is not None and shard.state is ShardState.READY and shard.pins == 0:
                 yield shard
 
-    def _short(self, need: int) -> bool:
-        return self._used + need > self.capacity_bytes or self._disk_short(need)
+    def _short(self, need: int, headroom: int) -> bool:
+        """Whether ``need`` more bytes pass the capacity, or the disk's floor (``headroom``:
+        what the file system can still take above ``min_free``)."""
+        return self._used + need > self.capacity_bytes or need > headroom
 
-    def _disk_short(self, need: int) -> bool:
+    def _disk_headroom(self) -> int:
+        """Bytes the file system can take above ``[cache] min_free``: one statvfs and one
+        pass over the shards, so callers ask once per eviction pass, not per candidate."""
         st = os.statvfs(self.dir)
-        # Reserved bytes of fetches under way are not on disk yet but soon will be.
+        # Reserved bytes of fetches under way are not on disk yet but soon will be; files
+        # being unlinked are as good as gone.
         pending = sum(
             s.reserved_bytes for s in self._shards.values() if s.state is ShardState.FETCHING
         )
-        return st.f_bavail * st.f_frsize - pending - need < self.min_free_bytes
+        return st.f_bavail * st.f_frsize + self._unlinking - pending - self.min_free_bytes
 
     def _evict(self, shard: Shard) -> None:
         self._remove(shard)
@@ -292,13 +570,37 @@ class HotTier:
 
     def _remove(self, shard: Shard) -> None:
         self._shards.pop(shard.shard_id, None)
+        if self._by_url.get(shard.url) == shard.shard_id:
+            del self._by_url[shard.url]
         self.policy.on_remove(shard.shard_id)
         self._used -= shard.reserved_bytes
         # Unlink first: live memoryviews of the mapping stay valid until the frames are sent.
         self._idx(shard.shard_id).unlink(missing_ok=True)
-        self._tar(shard.shard_id).unlink(missing_ok=True)
+        self._discard(self._tar(shard.shard_id), shard.reserved_bytes)
         shard._map = None
         self._notify()
+
+    def _discard(self, path: Path, size: int) -> None:
+        """Remove a shard's data file without blocking the event loop: unlinking a file of
+        gigabytes takes the file system long enough to stall every client. A rename (O(1))
+        takes it out of the way, a worker thread unlinks it; :meth:`load` removes any that
+        a stop left. Without a running loop (:meth:`load` in a thread), it unlinks here."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            path.unlink(missing_ok=True)
+            return
+        evicted = path.with_name(path.name + EVICTED_SUFFIX)
+        try:
+            path.rename(evicted)
+        except FileNotFoundError:
+            return
+        self._unlinking += size
+
+        def unlinked(_done: object) -> None:
+            self._unlinking -= size
+
+        loop.run_in_executor(None, evicted.unlink, True).add_done_callback(unlinked)
 
     def _notify(self) -> None:
         async def wake() -> None:
@@ -306,7 +608,14 @@ class HotTier:
                 self._changed.notify_all()
 
         # Called from synchronous code paths; the waiters re-check under the condition.
-        asyncio.get_running_loop().create_task(wake())
+        # Without a running loop (load() in a worker thread at start) nobody waits.
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        task = loop.create_task(wake())
+        self._wakes.add(task)  # a reference, so the task is not collected before it runs
+        task.add_done_callback(self._wakes.discard)
 
     def _tar(self, shard_id: str) -> Path:
         return self.dir / f"{shard_id}.tar"
@@ -324,40 +633,76 @@ class ShardWriter:
         self._partial = hot.dir / f"{shard.shard_id}.tar.partial"
         self._file = open(self._partial, "wb")  # noqa: SIM115 - closed by publish/abort
         self._indexer = TarIndexer(shard.url)
+        self._sums = StreamSums()
+        self._not_a_tar: NotATarError | None = None
         self.bytes_written = 0
 
     def _write(self, chunk: bytes) -> None:
+        if self._not_a_tar is not None:
+            return
+        try:
+            self._indexer.feed(chunk)
+        except NotATarError as exc:
+            # Held until the download ends: a header damaged in transit looks exactly like
+            # a corrupt archive, and only the body's checksum (checked at the end, when
+            # the source may fetch it again) tells the two apart. publish() raises it.
+            self._not_a_tar = exc
+            return
         self._file.write(chunk)
-        self._indexer.feed(chunk)
+        # The checksums come from the very bytes written, in the same pass.
+        self._sums.update(chunk, self._indexer.found)
 
     async def write(self, chunk: bytes) -> None:
-        """Append a chunk; disk and index work run off the event loop. Raises NotATarError."""
+        """Append a chunk; disk, index and checksum work run off the event loop. Bytes
+        that are not a tar archive are dropped, and :meth:`publish` raises NotATarError."""
         await asyncio.to_thread(self._write, chunk)
         self.bytes_written += len(chunk)
+
+    async def rewind(self) -> None:
+        """Start again from byte 0: the source sends the whole object again (a body that
+        failed its checksum in transit). Keeps the reservation."""
+        await asyncio.to_thread(self._truncate)
+        self._indexer = TarIndexer(self.shard.url)
+        self._sums = StreamSums()
+        self._not_a_tar = None
+        self.bytes_written = 0
+
+    def _truncate(self) -> None:
+        self._file.seek(0)
+        self._file.truncate()
 
     async def publish(self) -> Shard:
         """Finish the index, write the sidecar, then rename the shard into place atomically."""
         shard, hot = self.shard, self.hot
+        if self._not_a_tar is not None:
+            raise self._not_a_tar
         index = self._indexer.finish()
-        meta = json.dumps({"url": shard.url, "version": shard.version}).encode()
-        await asyncio.to_thread(self._finish_files, meta + b"\n" + index.to_bytes())
+        sums = self._sums
+        if len(sums.member_sums) != len(self._indexer.found) or sums.size != index.size_bytes:
+            raise CacheError(f"{shard.url}: checksums do not cover the shard (a bug)")
+        shard.checksum, shard.published = sums.whole, time.time()
+        index = await asyncio.to_thread(self._finish_files, index, sums.member_sums)
         shard.index = index
         actual = index.size_bytes + hot._idx(shard.shard_id).stat().st_size
         hot._used += actual - shard.reserved_bytes
         shard.reserved_bytes = actual
         shard.state = ShardState.READY
         hot.policy.on_insert(shard.shard_id, shard.url)
+        hot._adopt(shard)
         hot._notify()
         return shard
 
-    def _finish_files(self, meta: bytes) -> None:
+    def _finish_files(self, index: ShardIndex, sums: list[int]) -> ShardIndex:
+        shard = self.shard  # read only: this runs in a worker thread
+        index = index.with_checksums(sums, ALGORITHM)
+        car = Sidecar(shard.url, shard.version, index, shard.info, shard.checksum, shard.published)
+        meta = car.to_bytes()
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        idx_partial = self.hot.dir / f"{self.shard.shard_id}.idx.partial"
-        idx_partial.write_bytes(meta)
-        os.replace(idx_partial, self.hot._idx(self.shard.shard_id))
+        _write_atomically(self.hot._idx(self.shard.shard_id), meta)
         os.replace(self._partial, self.hot._tar(self.shard.shard_id))
+        return index
 
     def abort(self) -> None:
         """Drop the partial file and the reservation."""
@@ -367,15 +712,20 @@ class ShardWriter:
         if hot._shards.get(self.shard.shard_id) is self.shard:
             del hot._shards[self.shard.shard_id]
             hot._used -= self.shard.reserved_bytes
+            if self.shard.pins:  # readers of a copy dropped as corrupt still hold it
+                hot._orphans[self.shard.shard_id] = self.shard
             hot._notify()
 
 
-def _read_sidecar(data: bytes) -> tuple[dict[str, str], ShardIndex]:
-    """Split an ``.idx`` file: one JSON line of origin, then the serialized index."""
-    head, sep, body = data.partition(b"\n")
-    if not sep:
-        raise CacheError("index sidecar has no header line")
-    meta = json.loads(head)
-    if not isinstance(meta, dict) or not {"url", "version"} <= meta.keys():
-        raise CacheError("index sidecar header lacks url or version")
-    return meta, ShardIndex.from_bytes(body)
+def _sidecar(shard: Shard) -> Sidecar:
+    assert shard.index is not None
+    return Sidecar(
+        shard.url, shard.version, shard.index, shard.info, shard.checksum, shard.published
+    )
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``path`` through a partial file and a rename: readers see old or new."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)

@@ -14,10 +14,12 @@ raise instead: a damaged shard must not enter the cache looking whole.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import struct
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -48,11 +50,13 @@ _EXTENDED = frozenset((b"L", b"K", b"x", b"X", b"g"))
 
 @dataclass(frozen=True, slots=True)
 class Member:
-    """One file of a sample: its extension (lower-cased) and where its data lies."""
+    """One file of a sample: its extension (lower-cased), where its data lies, and the
+    checksum of that data once the download has seen it (None: not known)."""
 
     ext: str
     offset: int  # byte offset of the member's data in the tar file
     size: int  # data size in bytes
+    checksum: int | None = None  # of the data (ShardIndex.algorithm); checked when served
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,33 @@ class ShardIndex:
 
     samples: tuple[Sample, ...]
     size_bytes: int  # total tar size seen
+    algorithm: str | None = None  # of the members' checksums ("xxh3_64"); None: none
+
+    @property
+    def checksummed(self) -> bool:
+        """Whether every member carries a checksum (indexes written before checksums, and
+        fresh ones before :meth:`with_checksums`, do not)."""
+        return self.algorithm is not None and all(
+            m.checksum is not None for s in self.samples for m in s.members
+        )
+
+    def with_checksums(self, sums: Sequence[int], algorithm: str) -> ShardIndex:
+        """This index with ``sums`` (one per member, in archive order) as the members'
+        checksums, computed with ``algorithm``."""
+        if len(sums) != sum(len(s.members) for s in self.samples):
+            raise ValueError(f"{len(sums)} checksums for another number of members")
+        return self._replace_sums(iter(sums), algorithm)
+
+    def without_checksums(self) -> ShardIndex:
+        """This index with no checksums (they were made with an algorithm not in use)."""
+        return self._replace_sums(itertools.repeat(None), None)
+
+    def _replace_sums(self, sums: Iterator[int | None], algorithm: str | None) -> ShardIndex:
+        samples = tuple(
+            Sample(s.key, tuple(Member(m.ext, m.offset, m.size, next(sums)) for m in s.members))
+            for s in self.samples
+        )
+        return ShardIndex(samples, self.size_bytes, algorithm)
 
     def to_bytes(self) -> bytes:
         """Serialize as versioned, columnar JSON; `from_bytes` restores it exactly."""
@@ -76,7 +107,7 @@ class ShardIndex:
         # JSON object per member, and no per-member containers for the GC to scan.
         members = [m for s in self.samples for m in s.members]
         ext_ids: dict[str, int] = {}
-        doc = {
+        doc: dict[str, Any] = {
             "format": _FORMAT,
             "version": _VERSION,
             "size": self.size_bytes,
@@ -87,6 +118,11 @@ class ShardIndex:
             "sizes": [m.size for m in members],
             "ext_names": list(ext_ids),
         }
+        if self.checksummed:
+            # Optional: readers of version 1 that predate them ignore them, and an index
+            # without them loads as unchecksummed (the hot tier checks those first).
+            doc["checksum"] = self.algorithm
+            doc["checksums"] = [m.checksum for m in members]
         # ensure_ascii keeps surrogate-escaped (non-UTF-8) names representable.
         return json.dumps(doc, separators=(",", ":")).encode("ascii")
 
@@ -106,7 +142,18 @@ class ShardIndex:
                 raise ValueError("columns of different lengths")
             if len(keys) != len(counts) or (exts and max(exts) >= len(names)):
                 raise ValueError("columns do not agree")
-            members = list(map(Member, [names[e] for e in exts], offsets, sizes))
+            sums: list[int | None] = [None] * len(sizes)
+            algorithm = doc.get("checksum")
+            if "checksums" in doc:
+                column: list[int] = _column(doc, "checksums", int)
+                if len(column) != len(sizes) or (column and max(column) >= 1 << 64):
+                    raise ValueError("bad 'checksums' column")
+                if not isinstance(algorithm, str):
+                    raise ValueError(f"bad checksum algorithm {algorithm!r}")
+                sums = list(column)
+            else:
+                algorithm = None
+            members = list(map(Member, [names[e] for e in exts], offsets, sizes, sums))
             samples, pos = [], 0
             for key, count in zip(keys, counts, strict=True):
                 samples.append(Sample(key, tuple(members[pos : pos + count])))
@@ -114,7 +161,7 @@ class ShardIndex:
             size = doc["size"]
             if type(size) is not int or size < 0:
                 raise ValueError(f"bad size {size!r}")
-            return cls(tuple(samples), size)
+            return cls(tuple(samples), size, algorithm)
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             raise CacheError(f"corrupt shard index ({exc}); delete it to rebuild") from None
 
@@ -196,6 +243,9 @@ class TarIndexer:
         self._key: str | None = None
         self._members: list[Member] = []
         self._exts: list[str] = []
+        # Every member so far, in archive order: the writer checksums their data as it
+        # streams past (a member is listed before its first data byte is fed).
+        self.found: list[Member] = []
 
     def feed(self, chunk: bytes | memoryview) -> None:
         """Consume the next bytes of the archive; NotATarError once they cannot be a tar."""
@@ -360,7 +410,9 @@ class TarIndexer:
         if key != self._key or ext in self._exts:
             self._flush()
             self._key = key
-        self._members.append(Member(ext, offset, size))
+        member = Member(ext, offset, size)
+        self._members.append(member)
+        self.found.append(member)
         self._exts.append(ext)
 
     def _flush(self) -> None:

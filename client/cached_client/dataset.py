@@ -4,17 +4,20 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 import multiprocessing
 import os
 import random
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import partition
-from .reader import RawSample, Span, announce, read_spans, shard_lengths
+from . import partition, resume
+from .errors import UsageError
+from .reader import RawSample, announce, pipelined_reads, raw_samples, shard_lengths
+from .resume import Position, Ref
 from .transport import Connection, resolve_endpoint
 from .urls import expand_all
 
@@ -48,6 +51,13 @@ class CachedDataset(IterableDataset[Any]):
         decode: a function applied to each sample in the worker (e.g. image decoding).
         inflight: read requests in flight per reader.
         connect_timeout_s: how long to wait for the daemon's first answer.
+
+    Resuming: :meth:`state_dict` and :meth:`load_state_dict` save and restore the reader's
+    exact position (epoch, shard, sample, shuffle buffer) in the process that iterates:
+    in each DataLoader worker under ``torchdata``'s ``StatefulDataLoader``, which collects
+    and restores them per worker, or in the main process with ``num_workers=0``. A resumed
+    iteration reads only the samples that remain, in the order the uninterrupted one would
+    have given them.
     """
 
     def __init__(
@@ -83,6 +93,10 @@ class CachedDataset(IterableDataset[Any]):
         self._conn: Connection | None = None
         self._conn_pid = 0
         self._lengths: list[int] | None = None
+        # The iteration running (or last run) in this process, for state_dict; and a state
+        # loaded for the next iteration to resume.
+        self._pass: _Pass | None = None
+        self._pending: dict[str, Any] | None = None
         # Names this dataset's plans at the daemon; the same in every worker and epoch, so
         # an epoch's plan replaces the previous one (which announced it in advance).
         self._job = uuid.uuid4().hex[:12]
@@ -106,6 +120,7 @@ class CachedDataset(IterableDataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_conn"] = None  # sockets never cross processes; each worker opens its own
+        state["_pass"] = None  # a position is the process's own (its worker's)
         if not _spawning():
             # Shared memory crosses only into a process being started; elsewhere, the value.
             state["_epoch"] = self.epoch
@@ -156,28 +171,187 @@ class CachedDataset(IterableDataset[Any]):
         return f"{uuid.uuid4().hex[:12]}/r{self.rank}"
 
     def __iter__(self) -> Iterator[Any]:
-        epoch = self.epoch
+        # Not a generator function: the pass (and so state_dict) must describe this
+        # iteration from the moment iter() returns, as StatefulDataLoader asks for the
+        # state right after it. Nothing here talks to the daemon: errors come at next().
         stream, _ = self.stream_position()
-        samples: Iterator[Sample] = self._samples(epoch, stream)
+        saved, self._pending = self._pending, None
+        if saved is not None:
+            # Checked again here: a state loaded in the main process may reach a worker.
+            resume.check(saved, self._identity())
+            saved = resume.for_epoch(
+                saved, self.epoch, "CachedDataset", f"the dataset is set to epoch {self.epoch}"
+            )
+        run = self._pass = _Pass(self.epoch, saved)
+        return self._iterate(run, stream)
+
+    def _iterate(self, run: _Pass, stream: int) -> Iterator[Any]:
+        samples: Iterator[Sample]
         if self.shuffle:
-            rng = random.Random(f"samples/{self.seed}/{epoch}/{stream}")
-            samples = partition.buffered_shuffle(samples, self.shuffle_buffer, rng)
+            shuffled = run.shuffled(self, stream)
+            samples = (sample for _, sample in shuffled)
+        else:
+            samples = (sample for _, sample in run.stream(self, stream, []))
         if self.decode is None:
             yield from samples
         else:
             for sample in samples:
                 yield self.decode(sample)
+        run.position.finish()
 
-    def _samples(self, epoch: int, stream: int) -> Iterator[Sample]:
-        spans = [Span(self.urls[p.shard], p.start, p.stop) for p in self.parts(epoch)]
-        conn, sid = self.connection(), self._stream_id()
-        # The plan: this epoch's shards, then the next epoch's, so the daemon warms the hot
-        # tier across the epoch boundary and knows what not to evict.
-        ahead = [self.urls[p.shard] for p in self.parts(epoch + 1)]
-        key = f"{self._job}/r{self.rank}/s{stream}"
-        plan = key if announce(conn, key, [s.url for s in spans] + ahead, self._job) else None
-        for url, raw in read_spans(conn, spans, sid, inflight=self.inflight, plan=plan):
-            yield to_sample(url, raw)
+    # -- resuming ---------------------------------------------------------------------------
+
+    def _identity(self) -> dict[str, Any]:
+        """What a saved state must match to be resumed here (see :func:`resume.check`)."""
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        return {
+            "loader": "CachedDataset",
+            "version": resume.STATE_VERSION,
+            "shards": len(self.urls),
+            "urls": resume.fingerprint(self.urls),
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "workers": workers,
+            "worker": worker,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "equal_batches": self.equal_batches,
+            "shuffle_buffer": self.shuffle_buffer,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """This reader's position: where the iteration running in this process is (or the
+        last one ended), as a dict of plain values (ints, strings, lists).
+
+        It holds the epoch, the position in the reader's shard order (part and sample),
+        the samples read but not yet given out (the shuffle buffer, by index) and the
+        shuffle's random state. Called in a DataLoader worker it is that worker's; under
+        ``torchdata.stateful_dataloader.StatefulDataLoader`` every worker's is collected
+        after each batch and restored into the same worker. Before any iteration it is
+        the start of the current epoch.
+        """
+        if self._pending is not None:
+            return dict(self._pending)
+        run = self._pass or _Pass(self.epoch, None)
+        return {**self._identity(), **run.state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume the next iteration at ``state`` (from :meth:`state_dict`): it reads only
+        the samples that remain of that epoch, and yields exactly what the uninterrupted
+        iteration would have from there.
+
+        Raises :class:`~cached_client.errors.UsageError` if the state was saved by another
+        reader: other shard URLs, seed, shuffle, rank, world size or DataLoader workers.
+        In the main process it also sets the epoch to the state's; in a worker (where the
+        epoch is shared with the main process) the epoch must already be the state's, as
+        a training loop's ``set_epoch`` makes it.
+        """
+        resume.check(state, self._identity())
+        self._pending = dict(state)
+        if get_worker_info() is None:
+            self.set_epoch(int(state["epoch"]))
+
+
+class _Pass:
+    """One reader's pass over one epoch: what it has taken so far, for ``state_dict``."""
+
+    def __init__(self, epoch: int, saved: Mapping[str, Any] | None) -> None:
+        self.epoch = epoch
+        self.saved = saved
+        self.position = Position(epoch) if saved is None else Position.saved(saved)
+        self.shuffle: partition.ShuffleBuffer[tuple[Ref, Sample]] | None = None
+        self.lengths: str | None = None if saved is None else saved.get("lengths")
+
+    def state(self) -> dict[str, Any]:
+        """This pass's fields of a state dict (see ``CachedDataset.state_dict``)."""
+        if self.shuffle is not None:
+            buffer = [[part, offset] for (part, offset), _ in self.shuffle.buffer]
+            rng: list[Any] | None = resume.rng_state(self.shuffle.rng)
+            draining = self.shuffle.draining
+        elif self.saved is not None:  # not started: the state it was loaded from
+            buffer = [list(ref) for ref in self.saved.get("buffer") or []]
+            rng, draining = self.saved.get("rng"), bool(self.saved.get("draining"))
+        else:
+            buffer, rng, draining = [], None, False
+        return {
+            **self.position.state(),
+            "buffer": buffer,
+            "rng": rng,
+            "draining": draining,
+            "lengths": self.lengths,
+        }
+
+    def _buffered(self) -> list[Ref]:
+        if self.saved is None:
+            return []
+        try:
+            return [(int(part), int(offset)) for part, offset in self.saved.get("buffer") or []]
+        except (TypeError, ValueError):
+            raise UsageError("cannot resume CachedDataset: a damaged shuffle buffer") from None
+
+    def shuffled(self, ds: CachedDataset, stream: int) -> Iterator[tuple[Ref, Sample]]:
+        """The pass's samples through the shuffle buffer, restored if resumed."""
+        picks = self._buffered()
+        source = self.stream(ds, stream, picks)
+        # The buffer's samples come back first, read by index; the buffer then holds them
+        # in its saved order, and the shuffle goes on as if never interrupted.
+        back = dict(itertools.islice(source, len(picks)))
+        if set(back) != set(picks):
+            raise UsageError(
+                "cannot resume CachedDataset: samples of the saved shuffle buffer are not in "
+                "the shards any more (did the shards change?)"
+            )
+        saved = self.saved
+        if saved is not None and saved.get("rng") is not None:
+            rng = resume.rng_from(saved["rng"])
+        else:
+            rng = random.Random(f"samples/{ds.seed}/{self.epoch}/{stream}")
+        self.shuffle = partition.ShuffleBuffer(
+            ds.shuffle_buffer,
+            rng,
+            buffer=[(ref, back[ref]) for ref in picks],
+            draining=bool(saved and saved.get("draining")),
+        )
+        return self.shuffle.run(source)
+
+    def stream(
+        self, ds: CachedDataset, stream: int, picks: Sequence[Ref]
+    ) -> Iterator[tuple[Ref, Sample]]:
+        """``picks`` (samples before the position), then the rest of the pass from the
+        position, each as ``(ref, sample)``; the position moves as the rest is taken."""
+        parts = ds.parts(self.epoch)
+        if ds.equal_batches:
+            lengths = resume.fingerprint(ds.lengths())
+            if self.lengths is not None and self.lengths != lengths:
+                raise UsageError(
+                    "cannot resume CachedDataset: the shards' sample counts changed since "
+                    "the state was saved (equal_batches splits by them)"
+                )
+            self.lengths = lengths
+        self.position.start(parts, "CachedDataset")
+        spans, owners = resume.resume_spans(ds.urls, parts, self.position, picks)
+        conn, sid = ds.connection(), ds._stream_id()
+        # The plan: what is left of this epoch (a resumed reader's rest), then the next
+        # epoch's shards, so the daemon warms the hot tier across the epoch boundary and
+        # knows what not to evict.
+        ahead = [ds.urls[p.shard] for p in ds.parts(self.epoch + 1)]
+        key = f"{ds._job}/r{ds.rank}/s{stream}"
+        plan = key if announce(conn, key, [s.url for s in spans] + ahead, ds._job) else None
+        reads = pipelined_reads(conn, spans, sid, inflight=ds.inflight, plan=plan)
+        left = len(picks)
+        for read, rid in reads:
+            reply, frames = conn.wait(rid)
+            part = owners[read.pos]
+            first = int(reply["start"]) - parts[part].start
+            raws = list(raw_samples(reply, frames))
+            for i, raw in enumerate(raws):
+                ref = (part, first + i)
+                if left:  # a picked sample: before the position, which stays
+                    left -= 1
+                else:
+                    self.position.took(ref, read.last and i == len(raws) - 1)
+                yield ref, to_sample(read.url, raw)
 
 
 def to_sample(url: str, raw: RawSample) -> Sample:

@@ -66,10 +66,15 @@ class VersionMismatch(RemoteError):
     """Client and daemon speak different protocol versions."""
 
 
+class Forbidden(RemoteError, PermissionError):
+    """The daemon does not serve this URL: it is outside the daemon's ``[server] allow``."""
+
+
 _BY_CODE: dict[str, type[RemoteError]] = {
     ErrorCode.NOT_FOUND: ShardNotFound,
     ErrorCode.NOT_A_TAR: NotATar,
     ErrorCode.VERSION: VersionMismatch,
+    ErrorCode.FORBIDDEN: Forbidden,
 }
 
 

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from . import partition
+from . import partition, resume
 from .buffers import Batch, Ring, Slot, pinned_memory_available
 from .device import CopyStream, require_device, with_index
 from .errors import ProtocolError, UsageError, check_reply
-from .reader import Span, announce, pipelined_reads, shard_lengths
+from .reader import announce, pipelined_reads, shard_lengths
+from .resume import Position, Ref
 from .transport import Connection, Reply, resolve_endpoint
 from .urls import expand_all
 
@@ -54,6 +55,10 @@ class FastLoader:
             daemon indexes every shard once first, and up to ``world_size - 1`` samples of
             each epoch are left out. :func:`len` then gives the number of batches.
         socket, shuffle, seed, rank, world_size: as for :class:`~cached_client.CachedDataset`.
+
+    Resuming: :meth:`state_dict` is the position after the last batch taken (epoch, shard,
+    sample); :meth:`load_state_dict` makes the next iteration start there, reading only
+    the samples that remain, in the same batches the uninterrupted run would have made.
     """
 
     def __init__(
@@ -100,6 +105,10 @@ class FastLoader:
         self._lengths: list[int] | None = None
         self._active: Generator[Batch, None, None] | None = None
         self._stream = f"fast-{uuid.uuid4().hex[:12]}/r{self.rank}"
+        # The position of the iteration running (or last run), and a state loaded for the
+        # next iteration to resume.
+        self._position: Position | None = None
+        self._pending: dict[str, Any] | None = None
 
     # -- who reads what -----------------------------------------------------------------------
 
@@ -144,6 +153,46 @@ class FastLoader:
         full, rest = divmod(samples, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
+    # -- resuming ---------------------------------------------------------------------------
+
+    def _identity(self) -> dict[str, Any]:
+        """What a saved state must match to be resumed here (see :func:`resume.check`)."""
+        return {
+            "loader": "FastLoader",
+            "version": resume.STATE_VERSION,
+            "shards": len(self.urls),
+            "urls": resume.fingerprint(self.urls),
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "equal_batches": self.equal_batches,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch taken, as a dict of plain values: the epoch
+        and the place in this rank's shard order (part and sample). Before any iteration,
+        the start of the current epoch; after a :meth:`load_state_dict`, that state."""
+        if self._pending is not None:
+            return dict(self._pending)
+        position = self._position or Position(self.epoch)
+        return {**self._identity(), **position.state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume the next iteration at ``state`` (from :meth:`state_dict`), and set the
+        epoch to the state's. The iteration reads only what remains of that epoch, and
+        yields exactly the batches the uninterrupted one would have from there.
+
+        Raises :class:`~cached_client.errors.UsageError` if the state was saved by another
+        reader: other shard URLs, seed, shuffle, rank or world size.
+        """
+        resume.check(state, self._identity())
+        if self._active is not None:
+            self._active.close()  # an iteration in progress would not follow the state
+            self._active = None
+        self._pending = dict(state)
+        self.epoch = int(state["epoch"])
+
     # -- iteration ----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
@@ -151,11 +200,22 @@ class FastLoader:
             # One iteration at a time: the ring is shared. Closing the old one releases
             # its pins; its batches go stale as their slots are reused.
             self._active.close()
+        saved, self._pending = self._pending, None
+        saved = resume.for_epoch(
+            saved,
+            self.epoch,
+            "FastLoader",
+            f"set_epoch({self.epoch}) was called after load_state_dict",
+        )
+        # Made here, not at the first batch: state_dict describes this iteration at once.
+        position = self._position = Position(self.epoch) if saved is None else Position.saved(saved)
         device = with_index(self.device) if self.device is not None else None
         if self._ring is None:
             index = device.index if device is not None and device.type == "cuda" else None
             self._ring = Ring(self.ring_size, pinned=self.pin_memory, device=index)
-        host = self._active = self._host_batches(self._ring, guard_host_copies=device is None)
+        host = self._active = self._host_batches(
+            self._ring, position, guard_host_copies=device is None
+        )
         if device is None:
             return host
         if device.type == "cuda":
@@ -167,12 +227,16 @@ class FastLoader:
         for batch in batches:
             yield copies.hand_over(*copies.copy(batch))
 
-    def _host_batches(self, ring: Ring, *, guard_host_copies: bool) -> Generator[Batch, None, None]:
+    def _host_batches(
+        self, ring: Ring, position: Position, *, guard_host_copies: bool
+    ) -> Generator[Batch, None, None]:
         conn = self.conn
         conn.open()
         parts = self.parts(self.epoch)
-        spans = [Span(self.urls[p.shard], p.start, p.stop) for p in parts]
-        # This epoch and the next: the daemon prefetches across the boundary.
+        position.start(parts, "FastLoader")
+        # From the position on: all of the epoch, or what a resumed one has left.
+        spans, owners = resume.resume_spans(self.urls, parts, position)
+        # The rest of this epoch and the next: the daemon prefetches across the boundary.
         plan_key = self._stream.split("/")[0]
         ahead = self.shard_urls(self.epoch + 1)
         plan = plan_key if announce(conn, plan_key, [s.url for s in spans] + ahead) else None
@@ -181,16 +245,23 @@ class FastLoader:
             conn, spans, self._stream, inflight=self.inflight, exts=self.exts, plan=plan
         )
         with contextlib.closing(reads):  # leaving early releases the reader's pins now
-            for _url, rid in reads:
+            for read, rid in reads:
                 reply = conn.receive(rid, in_place=True)
                 check_reply(reply.header)
-                for key, members in reply.header["samples"]:
+                part = owners[read.pos]
+                first = int(reply.header["start"]) - parts[part].start
+                samples = reply.header["samples"]
+                for i, (key, members) in enumerate(samples):
                     filling.add(key, members, reply)
+                    filling.last = ((part, first + i), read.last and i == len(samples) - 1)
                     if len(filling.keys) == self.batch_size:
+                        position.took(*filling.last)  # before the batch is in the user's hands
                         yield from self._hand_out(filling.batch(), guard_host_copies)
                         filling = _Filling(ring.claim())
             if filling.keys and not self.drop_last:
+                position.took(*filling.last)
                 yield from self._hand_out(filling.batch(), guard_host_copies)
+        position.finish()
 
     @staticmethod
     def _hand_out(batch: Batch, guard_host_copies: bool) -> Generator[Batch, None, None]:
@@ -211,6 +282,8 @@ class _Filling:
         self.keys: list[str] = []
         self.offsets: dict[str, list[int]] = {}
         self.used: dict[str, int] = {}
+        # The batch's last sample, and whether it ended its part: the position after it.
+        self.last: tuple[Ref, bool] = ((0, 0), False)
 
     def add(self, key: str, members: list[tuple[str, int]], reply: Reply) -> None:
         """Receive one sample's members (the reply's next frames) into the slot."""

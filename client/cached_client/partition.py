@@ -10,7 +10,7 @@ import os
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from .errors import UsageError
 
@@ -115,21 +115,58 @@ def buffered_shuffle(
     growing (two in, one out) to ``size``: a full buffer before the first sample would
     make a cold first epoch wait for ``size`` samples' shards before its first batch.
     """
-    if size <= 1:
-        yield from items
-        return
-    initial = max(1, min(initial, size))
-    it = iter(items)
-    buf: list[T] = []
-    for item in it:
-        buf.append(item)
-        if len(buf) < size:
-            for more in it:  # take a second one while growing
-                buf.append(more)
-                break
-        if len(buf) >= initial:
-            i = rng.randrange(len(buf))
-            buf[i], buf[-1] = buf[-1], buf[i]
+    return ShuffleBuffer[T](size, rng, initial).run(items)
+
+
+class ShuffleBuffer(Generic[T]):
+    """:func:`buffered_shuffle` with its state in the open, so that a reader can save it
+    between two items and a new one continue with exactly the same order.
+
+    The state at any point between two items is ``buffer`` (the items taken and not yet
+    given, in their order), ``rng``'s state, and ``draining`` (the input has run out and
+    the buffer was shuffled a last time: the rest comes out in order). A buffer built with
+    those and run on the rest of the input yields what the first one would have.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        rng: random.Random,
+        initial: int = 100,
+        *,
+        buffer: list[T] | None = None,
+        draining: bool = False,
+    ) -> None:
+        self.size = size
+        self.rng = rng
+        self.initial = max(1, min(initial, size))
+        self.buffer: list[T] = [] if buffer is None else buffer
+        self.draining = draining
+
+    def run(self, items: Iterable[T]) -> Iterator[T]:
+        """Yield ``items`` shuffled, after what the buffer already holds."""
+        buf, rng = self.buffer, self.rng
+        if self.size <= 1:
+            yield from buf
+            buf.clear()
+            yield from items
+            return
+        if not self.draining:
+            it = iter(items)
+            for item in it:
+                buf.append(item)
+                if len(buf) < self.size:
+                    for more in it:  # take a second one while growing
+                        buf.append(more)
+                        break
+                if len(buf) >= self.initial:
+                    i = rng.randrange(len(buf))
+                    buf[i], buf[-1] = buf[-1], buf[i]
+                    yield buf.pop()
+            rng.shuffle(buf)
+            # Given from the front; kept reversed so that each item leaves by pop() and the
+            # buffer always holds exactly what is still to come.
+            buf.reverse()
+            self.draining = True
+        while buf:
             yield buf.pop()
-    rng.shuffle(buf)
-    yield from buf

@@ -53,11 +53,17 @@ class ErrorCode(StrEnum):
     BAD_REQUEST = "bad_request"
     VERSION = "version_mismatch"
     NOT_FOUND = "not_found"
+    # The URL is outside the daemon's [server] allow list (whether or not it exists).
+    FORBIDDEN = "forbidden"
     NOT_A_TAR = "not_a_tar"
     FETCH_FAILED = "fetch_failed"
     CACHE_FULL = "cache_full"
     OUT_OF_RANGE = "out_of_range"
     UNAVAILABLE = "unavailable"
+    LIMIT = "limit_exceeded"
+    # Not an answer: the daemon stopped before it could answer. The client keeps the
+    # request and sends it again to the daemon's successor.
+    SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
 
 
@@ -70,15 +76,40 @@ def encode(header: Header) -> bytes:
     return json.dumps(header, separators=(",", ":")).encode()
 
 
-def decode(frame: bytes | memoryview) -> Header:
-    """Decode a header frame; raises :class:`ProtocolError` on anything but a JSON object."""
+def decode(frame: bytes | memoryview, max_depth: int | None = None) -> Header:
+    """Decode a header frame; raises :class:`ProtocolError` on anything but a JSON object,
+    and on one nested deeper than ``max_depth`` levels (the object itself is level 1)."""
     try:
         header = json.loads(bytes(frame))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"header frame is not JSON: {exc}") from exc
+    except RecursionError:
+        # The decoder recurses once per level: thousands of "[" exhaust the stack before
+        # any depth check could run. A malformed message, not a failure of the reader.
+        raise ProtocolError("header frame is nested too deeply") from None
     if not isinstance(header, dict):
         raise ProtocolError("header frame must be a JSON object")
+    if max_depth is not None and _depth_exceeds(header, max_depth):
+        raise ProtocolError(f"header frame is nested more than {max_depth} levels deep")
     return header
+
+
+_CONTAINERS = frozenset((dict, list))  # what json.loads nests
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists/objects more than ``limit`` levels (iteratively: the
+    walk must not recurse on the very input it guards against)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        # map(type) runs in C: a plan's million URL strings cost milliseconds, not a loop.
+        if not _CONTAINERS.isdisjoint(map(type, children)):
+            stack.extend((c, depth + 1) for c in children if type(c) in _CONTAINERS)
+    return False
 
 
 def error(request_id: Any, code: ErrorCode, message: str) -> Header:

@@ -26,17 +26,27 @@ RawSample = tuple[str, list[tuple[str, zmq.Frame]]]
 
 @dataclass(frozen=True)
 class Span:
-    """Samples ``start..stop`` of the shard at ``url`` (``stop`` None: to its end)."""
+    """Samples ``start..stop`` of the shard at ``url`` (``stop`` None: to its end), after
+    the samples ``picks`` (ascending, each below ``start``).
+
+    ``picks`` is how a resumed reader reads back the samples its shuffle buffer held:
+    scattered indices, one read per run of consecutive ones, in the same span (one open,
+    one pin) as the rest of the shard."""
 
     url: str
     start: int = 0
     stop: int | None = None
+    picks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
-class _Read:
+class Read:
+    """One read request of a span: its header (``start``, ``count``), the shard's URL, the
+    span's index in the list read (``pos``) and whether it is the span's final read."""
+
     header: Header
     url: str
+    pos: int
     last: bool  # the span's final read
     partial: bool  # the span ends before the shard does (the daemon keeps the pin)
 
@@ -85,32 +95,61 @@ def announce(conn: Connection, plan: str, urls: Sequence[str], job: str = "") ->
     return True
 
 
+def _runs(span: Span, n: int) -> list[tuple[int, int]]:
+    """The span's sample ranges ``(start, stop)`` in a shard of ``n`` samples."""
+    stop = n if span.stop is None else min(span.stop, n)
+    runs: list[tuple[int, int]] = []
+
+    def add(lo: int, hi: int) -> None:
+        if runs and runs[-1][1] == lo:  # one read for consecutive samples
+            runs[-1] = (runs[-1][0], hi)
+        else:
+            runs.append((lo, hi))
+
+    for i in span.picks:
+        if i < n:
+            add(i, i + 1)
+    if span.start < stop:
+        add(span.start, stop)
+    return runs
+
+
 def _reads(
     span: Span,
+    pos: int,
     opened: Header,
     stream: str,
+    *,
     exts: Sequence[str] | None,
-    plan: tuple[str, int] | None,
-) -> list[_Read]:
+    plan: str | None,
+) -> list[Read]:
     n = int(opened["samples"])
-    stop = n if span.stop is None else min(span.stop, n)
     avg = max(1, int(opened["payload"]) // max(1, n))
     per = max(1, min(MAX_REQUEST_SAMPLES, TARGET_REQUEST_BYTES // avg))
-    out = []
-    for start in range(span.start, stop, per):
-        header: Header = {
-            "op": Op.READ,
-            "url": span.url,
-            "stream": stream,
-            "start": start,
-            "count": min(per, stop - start),
-        }
-        if exts is not None:
-            header["exts"] = list(exts)
-        if plan is not None:
-            header["plan"], header["pos"] = plan
-        out.append(_Read(header, span.url, start + per >= stop, stop < n))
-    return out
+    headers: list[Header] = []
+    for lo, hi in _runs(span, n):
+        for start in range(lo, hi, per):
+            header: Header = {
+                "op": Op.READ,
+                "url": span.url,
+                "stream": stream,
+                "start": start,
+                "count": min(per, hi - start),
+            }
+            if exts is not None:
+                header["exts"] = list(exts)
+            if plan is not None:
+                header["plan"], header["pos"] = plan, pos
+            headers.append(header)
+    if not headers:
+        return []
+    # The daemon releases a pin when the stream reads the shard's last sample; a span that
+    # ends before it must release the pin itself.
+    partial = headers[-1]["start"] + headers[-1]["count"] < n
+    return [
+        Read(header, span.url, pos, i == len(headers) - 1, partial)
+        for i, header in enumerate(headers)
+    ]
 
 
 def _next_is_demand(
@@ -136,8 +175,8 @@ def pipelined_reads(
     inflight: int = 4,
     exts: Sequence[str] | None = None,
     plan: str | None = None,
-) -> Generator[tuple[str, int], None, None]:
-    """Send the reads of ``spans`` and yield ``(url, request id)`` in order; the caller
+) -> Generator[tuple[Read, int], None, None]:
+    """Send the reads of ``spans`` and yield ``(read, request id)`` in order; the caller
     receives each reply (``conn.wait``, or ``conn.receive(in_place=True)`` into its own
     buffers) before asking for the next.
 
@@ -153,8 +192,8 @@ def pipelined_reads(
     it and the span's position, which is how the daemon follows this reader's progress.
     """
     opens: deque[tuple[int, Span, int, bool]] = deque()
-    reads: deque[_Read] = deque()
-    pending: deque[tuple[int, _Read]] = deque()
+    reads: deque[Read] = deque()
+    pending: deque[tuple[int, Read]] = deque()
     todo = deque(enumerate(spans))
     held: set[str] = set()  # being read (pinned by its reads), not yet to the end of the span
     try:
@@ -178,15 +217,16 @@ def pipelined_reads(
                     pos, span, rid, _ = opens.popleft()
                     _next_is_demand(conn, opens, stream)
                     header, _ = conn.wait(rid)
-                    where = None if plan is None else (plan, pos)
-                    reads.extend(_reads(span, header, stream, exts, where))
-                    held.add(span.url)
+                    more = _reads(span, pos, header, stream, exts=exts, plan=plan)
+                    reads.extend(more)
+                    if more:
+                        held.add(span.url)
                 else:
                     break
             if not pending:
                 return
             rid, read = pending.popleft()
-            yield read.url, rid
+            yield read, rid
             if read.last:
                 held.discard(read.url)
                 if read.partial:  # the daemon releases a pin only at the shard's end
@@ -206,12 +246,19 @@ def read_spans(
     plan: str | None = None,
 ) -> Iterator[tuple[str, RawSample]]:
     """Yield ``(url, (key, [(ext, frame), ...]))`` for every sample of ``spans``, in order."""
-    for url, rid in pipelined_reads(conn, spans, stream, inflight=inflight, plan=plan):
+    for read, rid in pipelined_reads(conn, spans, stream, inflight=inflight, plan=plan):
         reply, frames = conn.wait(rid)
-        i = 0
-        for key, members in reply["samples"]:
-            yield url, (key, [(ext, frames[i + j]) for j, (ext, _size) in enumerate(members)])
-            i += len(members)
+        for raw in raw_samples(reply, frames):
+            yield read.url, raw
+
+
+def raw_samples(reply: Header, frames: Sequence[zmq.Frame]) -> Iterator[RawSample]:
+    """The samples of a read's reply, ``(key, [(ext, frame), ...])`` in order (sample
+    ``reply["start"] + i`` is the i-th)."""
+    i = 0
+    for key, members in reply["samples"]:
+        yield key, [(ext, frames[i + j]) for j, (ext, _size) in enumerate(members)]
+        i += len(members)
 
 
 def read_shard(

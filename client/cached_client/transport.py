@@ -32,7 +32,15 @@ from . import protocol
 from .diagnose import explain_unreachable
 from .errors import DaemonTimeout, DaemonUnavailable, ProtocolError, RemoteError, check_reply
 from .memory import tune_malloc
-from .protocol import DEFAULT_SOCKET, PROTOCOL_VERSION, SOCKET_ENV, Header, Op, encode
+from .protocol import (
+    DEFAULT_SOCKET,
+    PROTOCOL_VERSION,
+    SOCKET_ENV,
+    ErrorCode,
+    Header,
+    Op,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +179,11 @@ class Connection:
         one is answered exactly as the original would have been.
         """
         previous = self._instance
+        # Replies that came early are whole answers (their requests are no longer
+        # pending, so nothing would ask for them again): they outlive the old socket.
+        early = self._early
         self.close()
+        self._early = early
         self.open()
         self._resend(standing=self._instance != previous)
 
@@ -241,6 +253,18 @@ class Connection:
                     # A ping's or an open's reply from a daemon that restarted under us.
                     self._restarted(instance)
                 rid = header.get("id")
+                if header.get("code") == ErrorCode.SHUTTING_DOWN and rid in self._pending:
+                    # Not an answer: the daemon stopped first. Keep the request and give
+                    # it to the daemon's successor (a restart), or give up after
+                    # dead_after_s (a stop).
+                    self._recv_rest()
+                    log.warning(
+                        "cached daemon at %s is shutting down; waiting for it to come back",
+                        self.endpoint,
+                    )
+                    self._reconnect_within(self.dead_after_s)
+                    last_heard, ping_id = time.monotonic(), None
+                    continue
                 if rid == request_id:
                     self._pending.pop(request_id, None)
                     if in_place:

@@ -62,6 +62,24 @@ class ShardURL:
         return self.key
 
 
+# URLs that parse() certainly accepts, matched without parsing: plain s3://bucket/key and
+# file:///path with no characters that urlsplit treats specially (query, fragment, escapes,
+# user info, port). Anything else goes through parse() for its verdict and its message.
+# (urlsplit also drops tabs and line breaks anywhere, and control characters up front.)
+_PLAIN = re.compile(
+    r"s3://[^/?#%@:\x00-\x20]+/+[^/?#%\x00-\x20][^?#%\t\r\n]*\Z|file:///[^?#%\t\r\n]*\Z"
+)
+
+
+def check_all(urls: Iterable[str]) -> None:
+    """Validate many URLs (a plan of up to a million) as :func:`parse` would, at a fraction
+    of its cost; raises ``UsageError`` naming the first bad one."""
+    plain = _PLAIN.match
+    for url in urls:
+        if not plain(url):
+            parse(url)
+
+
 def parse(url: str) -> ShardURL:
     """Parse and validate a shard URL; raises ``UsageError`` (a ``ValueError``) naming the URL."""
     parts = urlsplit(url)

@@ -7,10 +7,12 @@
 #   - the install: the files and modes the docs list;
 #   - start: Type=notify reaches active (ready), with a STATUS= line; /metrics has the
 #     process collector;
-#   - the socket's owner and mode under the default unit, and any local user reads;
+#   - the socket's owner and mode under the default unit (srw-rw-rw-: the unit's
+#     CACHED_SERVER_SOCKET_MODE=0666, set by the daemon whatever the umask), the umask
+#     (UMask=0077: the daemon's files are private), and any local user reads;
 #   - SIGKILL: Restart=on-failure brings it back with the hot tier warm (no S3 fetch);
 #   - stop: clean (Result=success) within TimeoutStopSec;
-#   - group access: the documented drop-in (static user `cached`, UMask=0007, 0750
+#   - group access: the documented drop-in (static user `cached`, socket mode 0660, 0750
 #     directory): a member of the group reads, a non-member cannot.
 # Needs root, systemd-nspawn, debootstrap and nsenter; without them it says so in one line
 # and exits 0. Exit status 1 when any check failed.
@@ -227,8 +229,16 @@ boot() {
         kill -0 "$nspawn_pid" 2>/dev/null || break
         sleep 0.1
     done
-    local state
-    state=$(T=120 in_container systemctl is-system-running --wait 2>/dev/null || true)
+    local state=""
+    # Right after init starts, systemctl may find no bus yet ("Failed to connect to bus",
+    # no state printed): ask again until it answers (then --wait waits for the boot).
+    for _ in $(seq 100); do
+        [ -n "$leader" ] || break
+        state=$(T=120 in_container systemctl is-system-running --wait 2>/dev/null || true)
+        [ -n "$state" ] && break
+        kill -0 "$nspawn_pid" 2>/dev/null || break
+        sleep 0.2
+    done
     if [ -z "$leader" ] || { [ "$state" != running ] && [ "$state" != degraded ]; }; then
         tail -n 30 "$work/boot.log" | indent
         fail "the container did not boot (state '${state}'; boot log above)"
@@ -393,18 +403,21 @@ check_watchdog() {
     fi
 }
 
-# The default unit: srwxrwxrwx in a 0755 /run/cached, so any local user connects.
+# The default unit: srw-rw-rw- (the daemon's chmod, not the umask) in a 0755 /run/cached,
+# so any local user connects; the daemon's umask is 0077, so the shards it writes are its
+# own (0600; they were 0666 under the old UMask=0000, in a 0700 directory).
 check_socket_default() {
-    local sock dir
+    local sock dir umask
     sock=$(in_container stat -c '%A %U:%G' /run/cached/cached.sock 2>&1 || true)
     dir=$(in_container stat -c '%a %U:%G' /run/cached 2>&1 || true)
-    if [[ $sock == "srwxrwxrwx "* ]] && [[ $dir == "755 "* ]]; then
-        pass "socket (default unit): /run/cached/cached.sock $sock, /run/cached $dir"
+    umask=$(in_container awk '/^Umask:/ { print $2 }' "/proc/$(prop MainPID)/status" 2>&1 || true)
+    if [[ $sock == "srw-rw-rw- "* ]] && [[ $dir == "755 "* ]] && [ "$umask" = 0077 ]; then
+        pass "socket (default unit): /run/cached/cached.sock $sock, /run/cached $dir; daemon umask $umask"
     else
-        fail "socket (default unit): /run/cached/cached.sock '$sock', /run/cached '$dir'; want srwxrwxrwx, 755"
+        fail "socket (default unit): /run/cached/cached.sock '$sock', /run/cached '$dir', umask '$umask'; want srw-rw-rw-, 755, 0077"
     fi
     in_container useradd --no-create-home --shell /usr/sbin/nologin bob
-    local out rc=0 gets
+    local out rc=0 gets shards modes
     out=$(read_as bob 2>&1) || rc=$?
     gets=$(shard_gets)
     if [ "$rc" -eq 0 ]; then
@@ -412,6 +425,14 @@ check_socket_default() {
     else
         fail "read (default unit) as bob: exit $rc: $out"
         diagnose
+    fi
+    local hot=/var/cache/private/cached
+    shards=$(in_container sh -c "ls $hot/*.tar | wc -l" 2>&1 || true)
+    modes=$(in_container sh -c "stat -c %a $hot/*.tar $hot/*.idx" 2>&1 | sort -u | paste -sd, - || true)
+    if [ "$modes" = 600 ]; then
+        pass "hot tier files private (UMask=0077): $shards shards and their indexes, mode $modes"
+    else
+        fail "hot tier files: modes '$modes' in $hot, want 600"
     fi
 }
 
@@ -498,10 +519,10 @@ check_group_dropin() {
     local sock dir
     sock=$(in_container stat -c '%A %U:%G' /run/cached/cached.sock 2>&1 || true)
     dir=$(in_container stat -c '%a %U:%G' /run/cached 2>&1 || true)
-    if [ "$sock" = "srwxrwx--- cached:cached" ] && [ "$dir" = "750 cached:cached" ]; then
+    if [ "$sock" = "srw-rw---- cached:cached" ] && [ "$dir" = "750 cached:cached" ]; then
         pass "socket (group drop-in): /run/cached/cached.sock $sock, /run/cached $dir"
     else
-        fail "socket (group drop-in): '$sock', '$dir'; want srwxrwx--- cached:cached, 750 cached:cached"
+        fail "socket (group drop-in): '$sock', '$dir'; want srw-rw---- cached:cached, 750 cached:cached"
     fi
     local out rc_a=0 rc_b=0
     out=$(read_as alice 2>&1) || rc_a=$?

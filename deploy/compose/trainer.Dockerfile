@@ -36,8 +36,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/trainer/bin:$PATH
 COPY --from=build /opt/trainer /opt/trainer
 COPY deploy/compose/trainer.py /opt/trainer/trainer.py
-# The daemon's uid: the ipc socket the daemon creates (umask 022) is writable by its
-# owner only, and connecting to a unix socket needs write permission on it.
+# The daemon's uid and group: the daemon makes its ipc socket 0660 ([server]
+# socket_mode), and connecting to a unix socket needs write permission on it.
 # /run/cached is the mount point of the socket's volume; a new named volume takes the
 # owner of this directory, whichever of the two containers mounts it first.
 RUN groupadd --gid 10001 cached \

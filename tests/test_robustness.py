@@ -1,0 +1,184 @@
+"""Robustness inside the daemon: one bad URL does not stop prefetch for the node; state that
+clients name is capped; shutdown drains. Real daemon, real S3 (moto), real sockets."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+from cached_client.errors import RemoteError
+from cached_client.protocol import decode, encode
+from cached_client.transport import Connection
+
+from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, serve_config, thread_daemon
+from tests.faultproxy import FaultProxy
+from tests.s3server import S3Server
+from tests.test_daemon import upload
+
+
+def test_one_missing_url_in_a_plan_does_not_stop_prefetch(
+    s3_server: S3Server, bucket: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The issue's probe: 4 good shards behind one missing URL are all prefetched, the
+    missing one is warned about once, and a second plan naming it changes nothing."""
+    urls = upload(s3_server, bucket, dataset_shards(4, 5))
+    missing = f"s3://{bucket}/missing.tar"
+    cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"prefetch.lookahead": "1GiB"})
+    caplog.set_level(logging.WARNING, logger="cached.prefetcher")
+    with thread_daemon(cfg) as d:
+        conn = Connection(d.socket)
+        conn.request({"op": "plan", "plan": "p1", "urls": [missing, *urls], "job": "j"})
+        deadline = time.monotonic() + 20
+        while d.call(d.daemon.status)["hot"]["shards"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status = d.call(d.daemon.status)
+        assert status["hot"]["shards"] == 4
+        conn.request({"op": "plan", "plan": "p2", "urls": [missing], "job": "j"})
+        time.sleep(1.5)  # a few scans
+        conn.close()
+    warnings = [r.getMessage() for r in caplog.records if missing in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "other shards go on" in warnings[0]
+    assert status["prefetch"]["prefetches"] >= 4
+
+
+def test_plans_per_client_are_capped_and_lapse(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    urls = upload(s3_server, bucket, dataset_shards(2, 3))
+    cfg = daemon_config(
+        tmp_path,
+        s3_server.endpoint_url,
+        **{
+            "server.max_plans_per_client": 3,
+            "prefetch.plan_timeout_s": 1.0,
+            "prefetch.lookahead": "0",
+        },
+    )
+    with thread_daemon(cfg) as d:
+        greedy, other = Connection(d.socket), Connection(d.socket)
+        for i in range(3):
+            greedy.request({"op": "plan", "plan": f"p{i}", "urls": urls, "job": "j"})
+        greedy.request({"op": "plan", "plan": "p0", "urls": urls[:1], "job": "j"})  # a replacement
+        with pytest.raises(RemoteError) as refused:
+            greedy.request({"op": "plan", "plan": "p3", "urls": urls, "job": "j"})
+        assert refused.value.code == "limit_exceeded"
+        assert "this client holds 3 plans" in str(refused.value)
+        assert "[server] max_plans_per_client = 3" in str(refused.value)
+        other.request({"op": "plan", "plan": "q0", "urls": urls, "job": "k"})  # its own cap
+        assert len(d.call(d.daemon.status)["plans"]) == 4
+        # The greedy client's plans lapse (it went quiet); then it may plan again.
+        deadline = time.monotonic() + 10
+        while d.call(d.daemon.status)["plans"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        greedy.request({"op": "plan", "plan": "p3", "urls": urls, "job": "j"})
+        greedy.close()
+        other.close()
+
+
+def test_pinned_shards_per_client_are_capped(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    urls = upload(s3_server, bucket, dataset_shards(3, 3))
+    cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"server.max_leases_per_client": 2})
+    with thread_daemon(cfg) as d:
+        conn = Connection(d.socket)
+        for url in urls[:2]:
+            conn.request({"op": "open", "url": url, "stream": "s"})
+        with pytest.raises(RemoteError) as refused:
+            conn.request({"op": "open", "url": urls[2], "stream": "s"})
+        assert refused.value.code == "limit_exceeded"
+        assert "2 pinned shards" in str(refused.value)
+        assert d.call(d.daemon.status)["hot"]["pinned_shards"] == 2
+        conn.request({"op": "close", "url": urls[0], "stream": "s"})
+        conn.request({"op": "open", "url": urls[2], "stream": "s"})  # room again
+        # An unpinned open (an open ahead) holds nothing and is never refused.
+        conn.request({"op": "open", "url": urls[0], "stream": "s", "pin": False})
+        assert d.call(d.daemon.status)["hot"]["pinned_shards"] == 2
+        conn.close()
+
+
+def test_shutdown_drains_answers_and_leaves_no_partial_file(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """SIGTERM while a reader waits on a slow download: the request is answered
+    `shutting_down` (not dropped), the download stops without a partial file, the S3 client
+    closes after it, the daemon exits 0, and the reader's request goes to the next daemon,
+    which answers it byte-exact."""
+    body = dataset_shards(1, 40, payload=20_000)[0]  # ~0.9 MB
+    s3_server.put(bucket, "slow.tar", body)
+    url = f"s3://{bucket}/slow.tar"
+    with FaultProxy.start(s3_server.endpoint_url) as proxy:
+        proxy.rate_bps = 50_000  # ~18 s for the shard: still downloading at the stop
+        config, endpoint = serve_config(tmp_path, proxy.endpoint_url)
+        first = ProcessDaemon(config, endpoint).start()
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.connect(endpoint)
+        raw.send(encode({"op": "open", "id": 7, "url": url, "stream": "raw"}))
+        reader = Connection(endpoint, dead_after_s=30)
+        got: dict[str, object] = {}
+
+        def read() -> None:
+            try:
+                got["open"] = reader.request({"op": "open", "url": url, "stream": "r"})[0]
+            except Exception as exc:  # reported below
+                got["error"] = exc
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not list((tmp_path / "hot").glob("*.partial")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list((tmp_path / "hot").glob("*.partial")), "the download never started"
+
+        assert first.stop(signal.SIGTERM) == 0, first.log_tail()
+        assert raw.poll(1000), "the waiting request got no answer"
+        reply = decode(raw.recv_multipart()[0])
+        raw.close(linger=0)
+        assert reply["id"] == 7 and reply["code"] == "shutting_down", reply
+        assert not list((tmp_path / "hot").glob("*.partial"))
+        log = first.log_tail(20_000)
+        for bad in ("Traceback", "Unclosed", "Task was destroyed", "ERROR"):
+            assert bad not in log, log
+
+        proxy.rate_bps = None
+        with ProcessDaemon(config, endpoint):
+            thread.join(60)
+        reader.close()
+    assert "error" not in got, got
+    opened = got["open"]
+    assert isinstance(opened, dict) and opened["samples"] == 40
+
+
+def test_evicted_files_are_unlinked_off_the_loop_and_leftovers_go_at_start(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """Eviction renames a shard's file (O(1)) and a worker thread unlinks it; a stop can
+    leave such a file, and the next start removes it. Nothing rotten or stale is served."""
+    shards = dataset_shards(3, 4, payload=30_000)
+    urls = upload(s3_server, bucket, shards)
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    (hot / "left-by-a-stop.tar.evicted").write_bytes(b"x" * 1000)
+    size = max(len(b) for b in shards)
+    cfg = daemon_config(
+        tmp_path, s3_server.endpoint_url, **{"cache.capacity": str(size * 2 + size // 2)}
+    )
+    with thread_daemon(cfg) as d:
+        assert not (hot / "left-by-a-stop.tar.evicted").exists()
+        conn = Connection(d.socket)
+        for url in urls:  # three shards in room for two: one is evicted
+            conn.request({"op": "open", "url": url, "stream": "s", "pin": False})
+        status = d.call(d.daemon.status)
+        assert status["counters"]["evictions"] >= 1
+        deadline = time.monotonic() + 5
+        while list(hot.glob("*.evicted")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not list(hot.glob("*.evicted"))
+        assert len(list(hot.glob("*.tar"))) == status["hot"]["shards"] < 3
+        conn.close()
