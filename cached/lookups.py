@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 
 # How often an unreachable store is asked again, in the background.
 PROBE_S = 2.0
+# Answers remembered at most, least recently used dropped first: clients name the URLs, so
+# this state must have a bound other than time (~100 MB at the bound). A dropped answer
+# costs one HEAD when the URL comes back.
+MAX_ANSWERS = 262_144
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,7 @@ class Lookups:
         self.revalidate_s = revalidate_s
         self._on_answer = on_answer
         self.health = StoreHealth()
-        self._answers: dict[str, _Answer] = {}
+        self._answers: OrderedDict[str, _Answer] = OrderedDict()
         self._heads: dict[str, asyncio.Task[ObjectInfo]] = {}
         self._probe: asyncio.Task[None] | None = None
 
@@ -76,6 +81,7 @@ class Lookups:
         if known is not None and (
             not revalidate or time.monotonic() - known.at < self.revalidate_s
         ):
+            self._answers.move_to_end(url)
             return known.info
         if not self.health.reachable:
             resident = self._offline(url)
@@ -134,6 +140,9 @@ class Lookups:
                 info.version,
             )
         self._answers[url] = _Answer(info, time.monotonic())
+        self._answers.move_to_end(url)
+        while len(self._answers) > MAX_ANSWERS:
+            self._answers.popitem(last=False)
         if self._on_answer is not None:
             self._on_answer(info)
         return info

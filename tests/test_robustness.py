@@ -182,3 +182,27 @@ def test_evicted_files_are_unlinked_off_the_loop_and_leftovers_go_at_start(
         assert not list(hot.glob("*.evicted"))
         assert len(list(hot.glob("*.tar"))) == status["hot"]["shards"] < 3
         conn.close()
+
+
+async def test_remembered_object_answers_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients name the URLs: the store's answers are kept for the most recent ones only,
+    and a dropped one costs a HEAD when it comes back."""
+    from cached import lookups
+    from cached.sources.base import ObjectInfo
+
+    asked: list[str] = []
+
+    async def head(url: str) -> ObjectInfo:
+        asked.append(url)
+        return ObjectInfo(url, "http://s3", 10, "v1")
+
+    monkeypatch.setattr(lookups, "MAX_ANSWERS", 3)
+    known = lookups.Lookups(head, lambda _url: None, revalidate_s=60)
+    for i in range(5):
+        await known.get(f"s3://b/{i}.tar")
+    await known.get("s3://b/2.tar")  # still known: no HEAD, and now the most recent
+    await known.get("s3://b/5.tar")  # drops the least recent, 3
+    assert asked == [f"s3://b/{i}.tar" for i in range(6)]
+    await known.get("s3://b/2.tar")
+    await known.get("s3://b/3.tar")  # dropped: asked again
+    assert asked[6:] == ["s3://b/3.tar"]
