@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test check lint types unit bench bench-small gpu-check deploy-lint deploy-check system-deps clean
+.PHONY: demo test check lint types unit bench bench-small soak gpu-check deploy-lint deploy-check system-deps clean
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,13 @@ bench-small: $(STAMP)
 	$(PY) bench/malloc.py --small
 	$(PY) bench/loop_stall.py --small
 	$(PY) bench/verify.py --small
+	$(PY) bench/soak.py --small
+
+# The soak: 32 client streams (CachedDataset with workers, FastLoader) at full speed for 10
+# minutes against one daemon, with a dataset twice the hot tier; memory, fds, loop stalls,
+# errors, exactly-once (docs/benchmarks.md, "Soak"). `make test` runs it for 60 s.
+soak: $(STAMP)
+	$(PY) bench/soak.py
 
 # On a GPU node (with a CUDA build of torch): byte-exact batches on the GPU under a slow
 # consumer, and host-to-device bandwidth; under 3 minutes. Without CUDA it runs the CPU parts,

@@ -282,7 +282,8 @@ class Fetcher:
             if task is not None and not task.done():
                 # Its failure (not admitted, not found) is for its own callers to see.
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(task), left)
+                    async with asyncio.timeout(left):
+                        await asyncio.shield(task)
             else:
                 await self.hot.changed(min(left, AHEAD_POLL_S))
         return None

@@ -85,8 +85,12 @@ class Prefetcher:
                 await self.fill()
                 self.metrics.prefetch_lead_seconds.set(min(self.lead_s, 1e9))
                 self.metrics.plans.set(len(self.planner.plans()))
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that
+                # comes in the turn its wait completes (a finished fetch sets _wake), and
+                # the shutdown then waits out its drain time.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), RESCAN_S)
+                    async with asyncio.timeout(RESCAN_S):
+                        await self._wake.wait()
         finally:
             for task in self._active.values():
                 task.cancel()

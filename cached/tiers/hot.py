@@ -435,8 +435,10 @@ class HotTier:
     async def changed(self, timeout_s: float) -> None:
         """Wait until a shard is published, evicted or unpinned, or ``timeout_s`` passes."""
         async with self._changed:
+            # asyncio.timeout, not wait_for, which can lose a cancel in 3.11 (prefetcher.py).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await self._changed.wait()
 
     def stats(self) -> HotStats:
         """A snapshot for status and metrics."""
@@ -493,7 +495,8 @@ class HotTier:
                         "or read with fewer streams"
                     )
                 try:
-                    await asyncio.wait_for(self._changed.wait(), left)
+                    async with asyncio.timeout(left):
+                        await self._changed.wait()
                 except TimeoutError:
                     continue
             return self._open_writer(shard_id, info, need)
