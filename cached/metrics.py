@@ -115,6 +115,11 @@ class Metrics:
             "1 while the object store answers, 0 during an outage (resident shards served)",
             registry=r,
         )
+        self.requests_in_flight = Gauge(
+            "cached_requests_in_flight",
+            "Client requests being handled (waiting on a download, or being answered)",
+            registry=r,
+        )
         self.loop_lag_seconds = Histogram(
             "cached_event_loop_lag_seconds",
             "How late the event loop woke a periodic task: how long it was blocked",

@@ -167,6 +167,9 @@ class Server:
         self.max_plan_shards = max_plan_shards
         self.plan_quota = PerClient("plans", max_plans_per_client, "[server] max_plans_per_client")
         self._plans_lock = asyncio.Lock()
+        # Request tasks that are opens ahead (hints, not demands): see drain.
+        self._hints: set[asyncio.Task[Any]] = set()
+        metrics.requests_in_flight.set_function(lambda: len(self._tasks))
         self.max_read_samples = max_read_samples
         self._status = status or (lambda: {})
         self._ctx = zmq.asyncio.Context()
@@ -244,6 +247,10 @@ class Server:
         before the sources close."""
         if not self._tasks:
             return
+        # Opens ahead only wait for the prefetcher, which has stopped; their readers may
+        # be gone too. Answered at once, so that a stop after a load is not a 5 s stop.
+        for task in self._hints:
+            task.cancel()
         _, late = await asyncio.wait(set(self._tasks), timeout=timeout_s)
         for task in late:
             task.cancel()
@@ -292,6 +299,7 @@ class Server:
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
+        self._hints.discard(task)
         self._active.release()
 
     async def _handle(self, frames: list[bytes]) -> None:
@@ -310,6 +318,10 @@ class Server:
                 header = decode(body[0], max_depth=MAX_REQUEST_DEPTH)
             request_id = _request_id(header)
             op = _op(header)
+            if header.get("ahead"):
+                task = asyncio.current_task()
+                if task is not None:  # a hint: not worth a wait at shutdown (see drain)
+                    self._hints.add(task)
             await self._check_access(op, header)
             reply, payload = await self._dispatch(op, header, ident)
             reply["id"] = request_id

@@ -206,3 +206,27 @@ async def test_remembered_object_answers_are_bounded(monkeypatch: pytest.MonkeyP
     await known.get("s3://b/2.tar")
     await known.get("s3://b/3.tar")  # dropped: asked again
     assert asked[6:] == ["s3://b/3.tar"]
+
+
+def test_an_open_ahead_does_not_hold_a_stop(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """An open ahead waits for the prefetcher (here it never comes: lookahead 0) for up to
+    pin_wait_s; at a stop it is answered at once rather than holding the drain time."""
+    urls = upload(s3_server, bucket, dataset_shards(1, 3))
+    config, endpoint = serve_config(tmp_path, s3_server.endpoint_url)
+    with config.open("a") as f:
+        f.write('[prefetch]\nlookahead = "0"\n')
+    daemon = ProcessDaemon(config, endpoint).start()
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.connect(endpoint)
+    raw.send(encode({"op": "open", "id": 3, "url": urls[0], "stream": "r", "ahead": True}))
+    time.sleep(0.5)  # the request is under way
+    started = time.monotonic()
+    assert daemon.stop(signal.SIGTERM) == 0, daemon.log_tail()
+    took = time.monotonic() - started
+    assert raw.poll(1000)
+    reply = decode(raw.recv_multipart()[0])
+    raw.close(linger=0)
+    assert reply["code"] == "shutting_down", reply
+    assert took < 3.0, took  # not the 5 s drain
