@@ -253,6 +253,18 @@ class UnitReport:
     errors: list[str] = field(default_factory=list)
     findings: Findings = field(default_factory=Findings)
 
+    def end_epoch(self, check: EpochCheck, *, cut: bool, started: float) -> None:
+        """Count an epoch's delivery: a whole one is checked complete (every key once), a
+        cut-off one (the time limit, an error) only for what it delivered."""
+        self.samples += check.samples
+        self.bytes += check.bytes
+        if cut:
+            self.partial_epoch_samples += check.samples
+        else:
+            check.complete(self.findings)
+            self.epochs_complete += 1
+            self.epoch_s.append(time.monotonic() - started)
+
 
 class Gaps:
     """The longest time between two consecutive items a unit received."""
@@ -452,14 +464,7 @@ def _dataloader_unit(plan: ClientPlan, unit: int) -> Callable[[float], UnitRepor
                     close_loader(loader)
                 ds, loader = make()
                 gaps.last = time.monotonic()  # a new loader's start is not a gap
-            report.samples += check.samples
-            report.bytes += check.bytes
-            if cut:
-                report.partial_epoch_samples += check.samples
-            else:
-                check.complete(report.findings)
-                report.epochs_complete += 1
-                report.epoch_s.append(time.monotonic() - started)
+            report.end_epoch(check, cut=cut, started=started)
             epoch += 1
         report.max_gap_s = gaps.worst
         try:
@@ -521,14 +526,7 @@ def _fast_unit(plan: ClientPlan, unit: int) -> Callable[[float], UnitReport]:
                 cut = True
                 loader = make()
                 gaps.last = time.monotonic()  # a new loader's start is not a gap
-            report.samples += check.samples
-            report.bytes += check.bytes
-            if cut:
-                report.partial_epoch_samples += check.samples
-            else:
-                check.complete(report.findings)
-                report.epochs_complete += 1
-                report.epoch_s.append(time.monotonic() - started)
+            report.end_epoch(check, cut=cut, started=started)
             epoch += 1
         report.max_gap_s = gaps.worst
         return report

@@ -282,8 +282,7 @@ class Fetcher:
             if task is not None and not task.done():
                 # Its failure (not admitted, not found) is for its own callers to see.
                 with contextlib.suppress(Exception):
-                    async with asyncio.timeout(left):
-                        await asyncio.shield(task)
+                    await asyncio.wait_for(asyncio.shield(task), left)
             else:
                 await self.hot.changed(min(left, AHEAD_POLL_S))
         return None

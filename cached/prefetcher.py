@@ -17,7 +17,6 @@ more sooner.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import math
@@ -85,12 +84,15 @@ class Prefetcher:
                 await self.fill()
                 self.metrics.prefetch_lead_seconds.set(min(self.lead_s, 1e9))
                 self.metrics.plans.set(len(self.planner.plans()))
-                # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that
-                # comes in the turn its wait completes (a finished fetch sets _wake), and
-                # the shutdown then waits out its drain time.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(RESCAN_S):
-                        await self._wake.wait()
+                # asyncio.wait, not wait_for or asyncio.timeout: in Python 3.11 wait_for
+                # loses a cancel that comes in the turn its wait completes (a finished
+                # fetch sets _wake; the shutdown then waits out its drain time), and
+                # timeout can leave a stray cancel when it fires in that turn.
+                woken = asyncio.ensure_future(self._wake.wait())
+                try:
+                    await asyncio.wait({woken}, timeout=RESCAN_S)
+                finally:
+                    woken.cancel()
         finally:
             for task in self._active.values():
                 task.cancel()

@@ -256,7 +256,11 @@ class Server:
             task.cancel()
         if late:
             log.info("%d requests still waiting at shutdown: answered shutting_down", len(late))
-            await asyncio.gather(*late, return_exceptions=True)
+            # Bounded: a wait_for that completes in the turn of the cancel loses it
+            # (Python 3.11), and the request would go on waiting; it gets a second one.
+            _, stuck = await asyncio.wait(late, timeout=timeout_s)
+            for task in stuck:
+                task.cancel()
 
     async def __aexit__(self, *exc: object) -> None:
         for task in list(self._tasks):

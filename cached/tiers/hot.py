@@ -435,10 +435,8 @@ class HotTier:
     async def changed(self, timeout_s: float) -> None:
         """Wait until a shard is published, evicted or unpinned, or ``timeout_s`` passes."""
         async with self._changed:
-            # asyncio.timeout, not wait_for, which can lose a cancel in 3.11 (prefetcher.py).
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout_s):
-                    await self._changed.wait()
+                await asyncio.wait_for(self._changed.wait(), timeout_s)
 
     def stats(self) -> HotStats:
         """A snapshot for status and metrics."""
@@ -495,8 +493,7 @@ class HotTier:
                         "or read with fewer streams"
                     )
                 try:
-                    async with asyncio.timeout(left):
-                        await self._changed.wait()
+                    await asyncio.wait_for(self._changed.wait(), left)
                 except TimeoutError:
                     continue
             return self._open_writer(shard_id, info, need)
