@@ -19,10 +19,10 @@ import hashlib
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from .errors import CachedError, FetchError
 from .lookups import Lookups
@@ -32,6 +32,8 @@ from .sources.retry import StoreUnavailable
 from .tiers.hot import HotTier, NotAdmitted, Shard
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DEMAND = 0
 PREFETCH = 1
@@ -171,9 +173,8 @@ class Fetcher:
         )
         self._inflight: dict[str, asyncio.Task[Shard]] = {}
         self._promotions: set[asyncio.Task[None]] = set()
-        self.corrupt_shards = metrics.corrupt_shards
         metrics.store_reachable.set_function(lambda: float(self.lookups.health.reachable))
-        hot.on_corrupt(lambda _shard, found: self.corrupt_shards.labels(found).inc())
+        hot.on_corrupt(lambda _shard, found: metrics.corrupt_shards.labels(found).inc())
         # Reloaded shards are read back in the background; readiness does not wait.
         self._checks: asyncio.Task[None] | None = None
         with contextlib.suppress(RuntimeError):  # no running loop: nothing to check in
@@ -217,14 +218,21 @@ class Fetcher:
         Raises ``FetchError`` (``ObjectNotFound``...), ``NotATarError`` or ``CacheFull``.
         """
         info = await self.info(url, revalidate=revalidate)
-        for attempt in range(1, CHANGED_RETRIES + 1):
+        return await self._following_changes(info, lambda i: self._ensure(i, priority))
+
+    async def _following_changes(
+        self, info: ObjectInfo, attempt: Callable[[ObjectInfo], Awaitable[T]]
+    ) -> T:
+        """``attempt(info)``; if the object was replaced while it downloaded
+        (``ObjectChanged``), again with the version the store has now, up to
+        ``CHANGED_RETRIES`` times in all."""
+        for tries in range(1, CHANGED_RETRIES + 1):
             try:
-                return await self._ensure(info, priority)
+                return await attempt(info)
             except ObjectChanged:
-                if attempt == CHANGED_RETRIES:
+                if tries == CHANGED_RETRIES:
                     raise
-            # Replaced while it downloaded: fetch the version the store has now.
-            info = await self.info(url, revalidate=True)
+            info = await self.info(info.url, revalidate=True)
         raise AssertionError("unreachable")
 
     async def _usable(self, shard: Shard | None) -> Shard | None:
@@ -296,22 +304,17 @@ class Fetcher:
         would displace only shards needed later). Returns whether the shard is resident.
         The version is revalidated first (as an open would), so that a prefetch does not
         bring a version the reader's open will find replaced."""
-        info = await self.info(info.url, revalidate=True)
-        for attempt in range(1, CHANGED_RETRIES + 1):
-            if self.resident(info) is not None:
+
+        async def attempt(latest: ObjectInfo) -> bool:
+            if self.resident(latest) is not None:
                 return True
-            task = self._join(shard_id(info), info, PREFETCH)
             try:
-                await asyncio.shield(task)
+                await asyncio.shield(self._join(shard_id(latest), latest, PREFETCH))
             except NotAdmitted:
                 return False
-            except ObjectChanged:
-                if attempt == CHANGED_RETRIES:
-                    raise
-                info = await self.info(info.url, revalidate=True)
-                continue
             return True
-        raise AssertionError("unreachable")
+
+        return await self._following_changes(await self.info(info.url, revalidate=True), attempt)
 
     def _join(self, sid: str, info: ObjectInfo, priority: int) -> asyncio.Task[Shard]:
         """The download of ``sid`` under way, or a new one at ``priority``."""

@@ -21,7 +21,7 @@ import bisect
 import heapq
 import math
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 # A stream that has not moved yet is assumed to read at the median rate of the others, or
@@ -153,25 +153,26 @@ class Planner:
 
     def expire(self) -> int:
         """Drop plans whose stream went quiet for ``timeout_s``; returns how many."""
-        steps = self.expiring()
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                count: int = done.value
-                return count
+        lapsed = self.drop_lapsed()
+        for _ in self.unindexing(lapsed):
+            pass
+        return len(lapsed)
 
-    def expiring(self, step: int = INDEX_STEP) -> Generator[None, None, int]:
-        """:meth:`expire` in steps, like :meth:`install`; its return value is the count."""
+    def drop_lapsed(self) -> list[Plan]:
+        """Unpublish the plans whose stream went quiet for ``timeout_s`` and return them;
+        their index entries go with :meth:`unindexing` (in steps, like :meth:`install`)."""
         limit = self.clock() - self.timeout_s
         lapsed = [plan for plan in self._plans.values() if plan.seen < limit]
         for plan in lapsed:
             del self._plans[plan.key]
         if lapsed:
             self._changed()
-        for plan in lapsed:
+        return lapsed
+
+    def unindexing(self, plans: list[Plan], step: int = INDEX_STEP) -> Iterator[None]:
+        """Remove dropped ``plans``' index entries, yielding every ``step`` URLs."""
+        for plan in plans:
             yield from self._unindex(plan, step)
-        return len(lapsed)
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` after every change (the prefetcher's wake-up)."""

@@ -288,13 +288,8 @@ class Server:
             if self.leases.expire():
                 log.info("released leases of streams that went quiet")
             async with self._plans_lock:
-                steps, dropped = self.planner.expiring(), 0
-                while True:
-                    try:
-                        next(steps)
-                    except StopIteration as done:
-                        dropped = done.value
-                        break
+                dropped = self.planner.drop_lapsed()
+                for _ in self.planner.unindexing(dropped):
                     await asyncio.sleep(0)
             if dropped:
                 log.info("dropped the plans of streams that went quiet")
