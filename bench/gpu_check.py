@@ -16,6 +16,8 @@ prefetch``) it runs:
                     ``batch.to("cuda")`` (checks that the loader guards reused slots
                     with events)
                 With two GPUs, K runs over 0 and 1 while the current device stays 0.
+  daemon metrics  the daemon's /metrics has NVML's series for every GPU
+                (``cached_gpu_*``), and the GPU loops' job reports (``cached_job_*``).
   bandwidth     pinned and pageable host-to-device MB/s; the fraction of copy time hidden
                 behind compute (copies on a side stream overlapping ``_sleep`` on the
                 compute stream: ``hidden = 1 - (t_overlapped - t_compute) / t_copy``);
@@ -45,6 +47,7 @@ import math
 import sys
 import time
 import traceback
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -443,6 +446,34 @@ def gpu_checks(
     return results
 
 
+def check_daemon_metrics(daemon: common.Daemon) -> CheckResult:
+    """The daemon's view of this node's GPUs (NVML) and of the GPU loops above (their
+    reports): a series per GPU, and the job's batches and wait counted."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    result = CheckResult("daemon metrics: GPUs, job wait", "cuda")
+    started = time.perf_counter()
+    time.sleep(2.5)  # the reporters' interval: the last epoch's totals are in
+    with urllib.request.urlopen(f"{daemon.status()['http']}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    by_gpu = {
+        s.labels["gpu"]: s.value for s in samples if s.name == "cached_gpu_memory_total_bytes"
+    }
+    utilization = [s for s in samples if s.name == "cached_gpu_utilization_ratio"]
+    for i in range(torch.cuda.device_count()):
+        if by_gpu.get(str(i), 0) <= 0:
+            result.problems.append(f"no cached_gpu_memory_total_bytes for GPU {i} (NVML?)")
+    if len(utilization) != torch.cuda.device_count():
+        result.problems.append(f"{len(utilization)} cached_gpu_utilization_ratio series")
+    batches = sum(s.value for s in samples if s.name == "cached_job_batches_total")
+    if batches <= 0:
+        result.problems.append("no cached_job_batches_total: the GPU loops' reports are missing")
+    result.batches = int(batches)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
 # -- bandwidth ---------------------------------------------------------------------------------
 
 
@@ -658,6 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results += gpu_checks(
                     dataset, daemon.socket, args.batch_size, args.ring, args.consumer_ms
                 )
+                results.append(check_daemon_metrics(daemon))
                 try:
                     rows = bandwidth(dataset, daemon.socket, args)
                 except Exception as exc:  # still print the correctness table

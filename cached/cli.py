@@ -193,10 +193,31 @@ def _status(socket: str, as_json: bool) -> int:
     for plan in status["plans"]:
         rate = plan["rate_shards_per_s"]
         print(
-            f"  plan {plan['stream']}: shard {plan['cursor']} of {plan['shards']}"
+            f"  plan {plan['stream']}"
+            + (f" (job {plan['job']})" if plan.get("job") else "")
+            + f": shard {plan['cursor']} of {plan['shards']}"
             + (f", {rate:.2f} shards/s" if rate else "")
         )
+    jobs = status.get("jobs", [])
+    print(f"jobs      {len(jobs)} reporting" + ("" if jobs else " (see docs/observability.md)"))
+    for job in jobs:
+        print(f"  job {job['job']}: {_job_line(job)}")
     return 0
+
+
+def _job_line(job: dict[str, Any]) -> str:
+    """E.g. "waiting 12.3% of 100 s of loop, 5000 batches, 3 ready, 2 processes, 4 plans"."""
+    share = job["wait_fraction"]
+    parts = [
+        "no loop time yet"
+        if share is None
+        else f"waiting {share:.1%} of {job['loop_s']:.0f} s of loop",
+        f"{job['batches']} batches",
+    ]
+    if job["ready"] is not None:
+        parts.append(f"{job['ready']} ready")
+    parts += [f"{job['reporters']} processes", f"{job['plans']} plans"]
+    return ", ".join(parts)
 
 
 def _prefetch(socket: str, patterns: list[str]) -> int:

@@ -82,6 +82,11 @@ class ServerConfig:
     # reader; a DataLoader worker is a client of its own), and shards pinned by its reads.
     max_plans_per_client: int = 64
     max_leases_per_client: int = 4096
+    # Training jobs' reports (cached/jobs.py): a process silent this long is forgotten (live
+    # ones report at least every 30 s), and at most this many jobs are followed at once
+    # (each is a label value of the cached_job_* series).
+    job_timeout_s: float = 120.0
+    max_jobs: int = 256
     # The ipc socket's mode and group, set right after bind whatever the umask: "0660"
     # admits the daemon's user and group; a group name or gid gives the socket to that
     # group (the daemon's user must be a member). Unused for tcp://.

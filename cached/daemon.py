@@ -13,6 +13,7 @@ import logging
 import shutil
 import signal
 import time
+from collections import Counter
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -22,6 +23,7 @@ from .config import Config, format_size
 from .errors import CachedError
 from .fetcher import Fetcher
 from .http import AdminHTTP
+from .jobs import JobBoard
 from .lock import DirLock
 from .loopwatch import LoopWatch
 from .metrics import Metrics
@@ -47,12 +49,18 @@ class Daemon:
         self.cfg = cfg
         self.metrics = Metrics(registry)
         self.ready = False
+        self.metrics.ready.set_function(lambda: 1.0 if self.ready else 0.0)
+        # At scrape time (on the event loop, where the scrape is served), not periodically.
+        self.metrics.hot_unplanned_bytes.set_function(self._unplanned_bytes)
         self.started = time.time()
         self._stack = contextlib.AsyncExitStack()
         self._tasks: set[asyncio.Task[None]] = set()
         self.systemd = Notifier()
         self.loop_watch = LoopWatch(self.metrics.loop_lag_seconds)
         self.planner = Planner(cfg.prefetch.plan_timeout_s)
+        self.jobs = JobBoard(
+            self.metrics, timeout_s=cfg.server.job_timeout_s, max_jobs=cfg.server.max_jobs
+        )
         self.hot = HotTier(
             cfg.cache.dir,
             cfg.cache.capacity_bytes,
@@ -108,6 +116,7 @@ class Daemon:
                     socket_mode=self.cfg.server.socket_mode,
                     socket_group=self.cfg.server.socket_group,
                     allow=self.cfg.server.allow,
+                    jobs=self.jobs,
                 )
             )
             try:
@@ -180,6 +189,7 @@ class Daemon:
         """A JSON-able snapshot for ``/status`` and ``cached status``."""
         hot = self.hot.stats()
         m = self.metrics
+        plans = self.planner.summary()
         return {
             "version": __version__,
             "uptime_s": round(time.time() - self.started, 3),
@@ -221,7 +231,8 @@ class Daemon:
                 "lead_s": _finite(self.prefetcher.lead_s) if hasattr(self, "prefetcher") else None,
                 "prefetches": _value(m.prefetches),
             },
-            "plans": self.planner.summary(),
+            "plans": plans,
+            "jobs": self.jobs.summary(Counter(str(p["job"]) for p in plans if p["job"])),
             "store": self.fetcher.store_status() if hasattr(self, "fetcher") else None,
             "loop": {
                 "worst_lag_s": round(self.loop_watch.worst_s, 4),
@@ -265,6 +276,11 @@ class Daemon:
             f"{format_size(hot.capacity_bytes)}, {streams} streams, {hot.fetching} fetching"
         )
 
+    def _unplanned_bytes(self) -> float:
+        """Bytes of resident shards that no live plan names: a dict lookup per shard."""
+        names = self.planner.names
+        return float(sum(s.reserved_bytes for s in self.hot.resident() if not names(s.url)))
+
     def _count_eviction(self, shard: Shard) -> None:
         self.metrics.evictions.inc()
         self.metrics.evicted_bytes.inc(shard.reserved_bytes)
@@ -284,6 +300,7 @@ class Daemon:
             m.hot_shards.set(hot.shards)
             m.pinned_shards.set(hot.pinned)
             m.fetching_shards.set(hot.fetching)
+            self.jobs.expire()
             await asyncio.sleep(1.0)
 
     async def _tell_systemd(self) -> None:

@@ -14,6 +14,8 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from . import gpu
+
 _FETCH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -102,7 +104,11 @@ class Metrics:
             registry=r,
         )
         self.plans = Gauge("cached_plans", "Reader plans the daemon follows", registry=r)
-        self.streams = Gauge("cached_streams", "Client streams with a live lease", registry=r)
+        self.streams = Gauge(
+            "cached_streams",
+            "Client streams reading: holding a shard, or that held one in the last 10 s",
+            registry=r,
+        )
         self.corrupt_shards = Counter(
             "cached_corrupt_shards_total",
             "Shards found corrupt in the hot tier and dropped (found: read, when a read's "
@@ -120,6 +126,38 @@ class Metrics:
             "Client requests being handled (waiting on a download, or being answered)",
             registry=r,
         )
+        self.ready = Gauge(
+            "cached_ready", "1 once the daemon serves, 0 before and while draining", registry=r
+        )
+        self.hot_unplanned_bytes = Gauge(
+            "cached_hot_unplanned_bytes",
+            "Resident bytes of shards that no live plan names",
+            registry=r,
+        )
+        # What the trainers experience, as their processes report it (cached/jobs.py).
+        self.jobs = Gauge("cached_jobs", "Jobs that reported recently", registry=r)
+        self.job_wait_seconds = Counter(
+            "cached_job_wait_seconds_total",
+            "Seconds the job's training loops waited for their next batch",
+            ["job"],
+            registry=r,
+        )
+        self.job_loop_seconds = Counter(
+            "cached_job_loop_seconds_total",
+            "Seconds of the job's training loops (waiting and computing)",
+            ["job"],
+            registry=r,
+        )
+        self.job_batches = Counter(
+            "cached_job_batches_total", "Batches the job's training loops took", ["job"], registry=r
+        )
+        self.job_ready_batches = Gauge(
+            "cached_job_ready_batches",
+            "Batches ready when the job's loops last asked (summed over its processes)",
+            ["job"],
+            registry=r,
+        )
+        gpu.register(r)
         self.loop_lag_seconds = Histogram(
             "cached_event_loop_lag_seconds",
             "How late the event loop woke a periodic task: how long it was blocked",

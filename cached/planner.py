@@ -200,6 +200,10 @@ class Planner:
             self._median = (self.version, rate)
         return rate
 
+    def names(self, url: str) -> bool:
+        """Whether some live plan names ``url`` (anywhere, before or after its cursor)."""
+        return any(key in self._plans for key in self._naming.get(url, ()))
+
     def next_use(self, url: str) -> float:
         """Estimated seconds until some stream reads ``url``; ``inf`` when no plan names it
         at or after its cursor. 0 means a stream is reading it now."""

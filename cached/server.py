@@ -25,6 +25,7 @@ from . import __version__, socketmode
 from .access import DEFAULT_ALLOW, Access
 from .errors import CachedError, OutOfRange, ProtocolError, VersionMismatch
 from .fetcher import AHEAD, DEMAND, PREFETCH, Fetcher, shard_id
+from .jobs import JobBoard, Report
 from .metrics import Metrics
 from .planner import Plan, Planner, prepare
 from .quota import PerClient
@@ -49,6 +50,9 @@ COPY_THRESHOLD_BYTES = 1 << 20
 MAX_REQUEST_DEPTH = 8
 # An open's flags -> how the fetcher treats a miss.
 _PRIORITY = {"demand": DEMAND, "prefetch": PREFETCH, "ahead": AHEAD}
+# A stream counts as live this long after its last read or open, lease or not: a reader
+# whose reads take whole shards at once holds each lease only for a moment.
+ACTIVE_S = 10.0
 
 
 class Leases:
@@ -59,6 +63,7 @@ class Leases:
         self.hot = hot
         self.timeout_s = timeout_s
         self._held: dict[tuple[str, str], tuple[Shard, float]] = {}
+        self._active: dict[str, float] = {}  # stream -> when it last held a shard
         self.quota = PerClient("pinned shards", per_client, "[server] max_leases_per_client")
 
     def hold(self, stream: str, shard: Shard, client: bytes = b"") -> None:
@@ -68,7 +73,9 @@ class Leases:
         if key not in self._held:
             self.quota.admit(client, key)
             self.hot.pin(shard)
-        self._held[key] = (shard, time.monotonic() + self.timeout_s)
+        now = time.monotonic()
+        self._held[key] = (shard, now + self.timeout_s)
+        self._active[stream] = now
 
     def release(self, stream: str, shard_id: str) -> None:
         """Drop the stream's lease on a shard, if any."""
@@ -86,8 +93,11 @@ class Leases:
         return len(lapsed)
 
     def streams(self) -> int:
-        """Streams holding at least one lease."""
-        return len({stream for stream, _ in self._held})
+        """Streams holding a lease, or that held one in the last :data:`ACTIVE_S`."""
+        now = time.monotonic()
+        for stream in [s for s, at in self._active.items() if now - at > ACTIVE_S]:
+            del self._active[stream]
+        return len(self._active.keys() | {stream for stream, _ in self._held})
 
 
 def _request_id(header: Header) -> int | None:
@@ -154,6 +164,7 @@ class Server:
         socket_mode: str = "0660",
         socket_group: str | None = None,
         allow: Sequence[str] = DEFAULT_ALLOW,
+        jobs: JobBoard | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.socket_mode = socket_mode
@@ -165,6 +176,7 @@ class Server:
         self.leases = Leases(hot, lease_timeout_s, max_leases_per_client)
         self.planner = planner if planner is not None else Planner(lease_timeout_s)
         self.max_plan_shards = max_plan_shards
+        self.jobs = jobs if jobs is not None else JobBoard(metrics)
         self.plan_quota = PerClient("plans", max_plans_per_client, "[server] max_plans_per_client")
         self._plans_lock = asyncio.Lock()
         # Request tasks that are opens ahead (hints, not demands): see drain.
@@ -396,6 +408,9 @@ class Server:
             return {"status": self._status()}, []
         if op == Op.PLAN:
             await self._plan(header, client)
+            return {}, []
+        if op == Op.REPORT:
+            self.jobs.report(Report.parse(header))
             return {}, []
         raise ProtocolError(f"unknown op {op!r}; expected one of {', '.join(Op)}")
 

@@ -1,5 +1,5 @@
-"""A scripted daemon: a real ZeroMQ ROUTER in a thread that answers hellos like the daemon
-and every other request with whatever the test says, including replies no correct daemon
+"""A scripted daemon: a real ZeroMQ ROUTER in a thread that answers hellos and reports like
+the daemon and every other request with whatever the test says, including replies no correct daemon
 sends (bad headers, frames of the wrong size). For the client's receive-layer tests."""
 
 from __future__ import annotations
@@ -37,7 +37,13 @@ def scripted_daemon(tmp: Path, script: Script, hello: Script | None = None) -> I
                 continue
             ident, *frames = sock.recv_multipart()
             header = decode(frames[0])
-            handler = (hello or answer_hello) if header.get("op") == "hello" else script
+            op = header.get("op")
+            if op == "report":
+                # A training loop's background report (cached_client.jobs), not part of
+                # what these tests script: acknowledged like the daemon does.
+                sock.send_multipart([ident, ok(header)])
+                continue
+            handler = (hello or answer_hello) if op == "hello" else script
             out = handler(header)
             if out is not None:
                 sock.send_multipart([ident, *out])

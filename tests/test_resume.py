@@ -207,13 +207,13 @@ def test_the_resumed_plan_is_what_remains(node: Node) -> None:
     assert again.epoch == 2  # in the main process, loading sets the epoch
     it = iter(DataLoader(again, batch_size=BATCH, collate_fn=as_items))
     next(it)
-    plans = {p["job"]: p for p in node.daemon.status()["plans"]}
+    plans = {p["stream"].split("/")[0]: p for p in node.daemon.status()["plans"]}
     # Shards still to read: those of the buffered samples before the position, and the
     # position's shard on; then all of epoch 3's.
     earlier = {part for part, _ in state["buffer"] if part < state["part"]}
     remaining = len(earlier) + state["parts"] - state["part"]
     assert 0 < remaining < state["parts"]
-    assert plans[again._job]["shards"] == remaining + len(COUNTS)
+    assert plans[again._plans]["shards"] == remaining + len(COUNTS)
     del it
 
 

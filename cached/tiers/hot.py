@@ -438,6 +438,10 @@ class HotTier:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
 
+    def resident(self) -> Iterator[Shard]:
+        """Every shard that is published (READY), in no particular order."""
+        return (s for s in self._shards.values() if s.state is ShardState.READY)
+
     def stats(self) -> HotStats:
         """A snapshot for status and metrics."""
         shards = self._shards.values()

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import partition, resume
+from . import jobs, partition, resume
 from .errors import UsageError
 from .reader import RawSample, announce, pipelined_reads, raw_samples, shard_lengths
 from .resume import Position, Ref
@@ -51,6 +51,11 @@ class CachedDataset(IterableDataset[Any]):
         decode: a function applied to each sample in the worker (e.g. image decoding).
         inflight: read requests in flight per reader.
         connect_timeout_s: how long to wait for the daemon's first answer.
+        job: the name under which the daemon shows this training job (its plans, and the
+            loop's wait for data that ``StallMeter`` or ``DeviceLoader`` measure around a
+            DataLoader over this dataset); None means ``$CACHED_JOB``, else a name made
+            from the script and the launch, the same in every rank (see
+            :func:`cached_client.jobs.job_name`).
 
     Resuming: :meth:`state_dict` and :meth:`load_state_dict` save and restore the reader's
     exact position (epoch, shard, sample, shuffle buffer) in the process that iterates:
@@ -74,6 +79,7 @@ class CachedDataset(IterableDataset[Any]):
         decode: Callable[[Sample], Any] | None = None,
         inflight: int = 4,
         connect_timeout_s: float = 5.0,
+        job: str | None = None,
     ) -> None:
         super().__init__()
         self.urls = expand_all(urls)
@@ -99,7 +105,8 @@ class CachedDataset(IterableDataset[Any]):
         self._pending: dict[str, Any] | None = None
         # Names this dataset's plans at the daemon; the same in every worker and epoch, so
         # an epoch's plan replaces the previous one (which announced it in advance).
-        self._job = uuid.uuid4().hex[:12]
+        self._plans = uuid.uuid4().hex[:12]
+        self.job = jobs.job_name(job)
 
     # -- epochs -----------------------------------------------------------------------------
 
@@ -336,8 +343,8 @@ class _Pass:
         # epoch's shards, so the daemon warms the hot tier across the epoch boundary and
         # knows what not to evict.
         ahead = [ds.urls[p.shard] for p in ds.parts(self.epoch + 1)]
-        key = f"{ds._job}/r{ds.rank}/s{stream}"
-        plan = key if announce(conn, key, [s.url for s in spans] + ahead, ds._job) else None
+        key = f"{ds._plans}/r{ds.rank}/s{stream}"
+        plan = key if announce(conn, key, [s.url for s in spans] + ahead, ds.job) else None
         reads = pipelined_reads(conn, spans, sid, inflight=ds.inflight, plan=plan)
         left = len(picks)
         for read, rid in reads:

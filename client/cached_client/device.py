@@ -3,15 +3,16 @@ stream handed to the consumer's stream of the right device, and a meter for data
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any, TypeVar
 
 import torch
 
+from . import jobs
 from .buffers import Batch, host_buffer, pinned_memory_available
 from .errors import DeviceUnavailable
+from .transport import resolve_endpoint
 
 T = TypeVar("T")
 
@@ -131,6 +132,10 @@ class DeviceLoader:
     :class:`~cached_client.FastLoader` batches (whose ring slots are reused only once their
     copy is done). Elsewhere it moves batches synchronously.
 
+    It measures how long the training loop waits for each batch and reports it to the
+    cached daemon under the job of the cached loader it wraps, if any (see
+    :class:`StallMeter`).
+
     Raises :class:`~cached_client.errors.DeviceUnavailable` at construction when the
     device does not exist here (``"cuda"`` without CUDA).
     """
@@ -139,6 +144,8 @@ class DeviceLoader:
         self.loader = loader
         self.device = require_device(device)
         self.depth = max(1, depth)
+        found = jobs.origin(loader)
+        self._report = jobs.reporter(*found) if found is not None else None
 
     def __len__(self) -> int:
         if not isinstance(self.loader, Sized):
@@ -147,14 +154,22 @@ class DeviceLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
+        inner = iter(self.loader)
+        return jobs.timed(
+            self._moved(inner),
+            ready=lambda _: jobs.dataloader_ready(inner),
+            report=self._report,
+        )
+
+    def _moved(self, inner: Iterator[Any]) -> Iterator[Any]:
         device = with_index(self.device)
         if device.type != "cuda":
-            for batch in self.loader:
+            for batch in inner:
                 yield to_device(batch, device, non_blocking=False)
             return
         copies = CopyStream(device)
         queue: deque[tuple[Any, torch.cuda.Event]] = deque()
-        for batch in self.loader:
+        for batch in inner:
             queue.append(copies.copy(batch))
             if len(queue) > self.depth:
                 yield copies.hand_over(*queue.popleft())
@@ -167,29 +182,44 @@ class StallMeter:
 
     ``for batch in meter.wrap(loader): ...``; then ``meter.wait_s``, ``meter.total_s`` and
     ``meter.fraction`` (the share of loop time blocked on data: "input-bound 40%").
+
+    It also reports the figures to the cached daemon (in the background, every 2 s), which
+    shows them per job in ``/metrics``, ``/status`` and its dashboard: when ``loader``
+    reads from cached (a ``FastLoader``, a DataLoader over a ``CachedDataset``, or a
+    ``DeviceLoader`` of either), under that loader's job; with ``job`` given, under that
+    name (at ``socket``, or the loader's daemon). ``report=False`` keeps them here.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, job: str | None = None, *, socket: str | None = None, report: bool = True
+    ) -> None:
         self.wait_s = 0.0
         self.total_s = 0.0
         self.batches = 0
+        self.job = job
+        self.socket = socket
+        self.report = report
 
     def wrap(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield from ``iterable``, timing each wait for the next item."""
-        it = iter(iterable)
-        start = time.perf_counter()
-        try:
-            while True:
-                t0 = time.perf_counter()
-                try:
-                    item = next(it)
-                except StopIteration:
-                    return
-                self.wait_s += time.perf_counter() - t0
-                self.batches += 1
-                yield item
-        finally:
-            self.total_s += time.perf_counter() - start
+        return jobs.timed(
+            iterable, self._record, ready=jobs.dataloader_ready, report=self._reporter(iterable)
+        )
+
+    def _record(self, wait_s: float, loop_s: float, batches: int, _ready: int | None) -> None:
+        self.wait_s += wait_s
+        self.total_s += loop_s
+        self.batches += batches
+
+    def _reporter(self, iterable: Any) -> jobs.JobReporter | None:
+        if not self.report:
+            return None
+        found = jobs.origin(iterable)
+        if found is None and self.job is None:
+            return None  # not reading from cached, and no job named: nothing to tell it
+        job = jobs.job_name(self.job) if self.job is not None or found is None else found[0]
+        endpoint = resolve_endpoint(self.socket) if self.socket or found is None else found[1]
+        return jobs.reporter(job, endpoint)
 
     @property
     def fraction(self) -> float:

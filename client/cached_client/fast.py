@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import partition, resume
+from . import jobs, partition, resume
 from .buffers import Batch, Ring, Slot, pinned_memory_available
 from .device import CopyStream, require_device, with_index
 from .errors import ProtocolError, UsageError, check_reply
@@ -54,7 +54,9 @@ class FastLoader:
             number of batches: no rank waits for another in DDP's last all-reduce); the
             daemon indexes every shard once first, and up to ``world_size - 1`` samples of
             each epoch are left out. :func:`len` then gives the number of batches.
-        socket, shuffle, seed, rank, world_size: as for :class:`~cached_client.CachedDataset`.
+        socket, shuffle, seed, rank, world_size, job: as for
+            :class:`~cached_client.CachedDataset`. The loader measures how long the training
+            loop waits for each batch and reports it to the daemon under ``job``.
 
     Resuming: :meth:`state_dict` is the position after the last batch taken (epoch, shard,
     sample); :meth:`load_state_dict` makes the next iteration start there, reading only
@@ -79,6 +81,7 @@ class FastLoader:
         drop_last: bool = False,
         pin_memory: bool | None = None,
         connect_timeout_s: float = 5.0,
+        job: str | None = None,
     ) -> None:
         if batch_size < 1:
             raise UsageError(f"batch_size must be positive, not {batch_size}")
@@ -99,6 +102,7 @@ class FastLoader:
         self.inflight = inflight
         self.drop_last = drop_last
         self.connect_timeout_s = connect_timeout_s
+        self.job = jobs.job_name(job)
         self.epoch = 0
         self._conn: Connection | None = None
         self._ring: Ring | None = None
@@ -216,11 +220,14 @@ class FastLoader:
         host = self._active = self._host_batches(
             self._ring, position, guard_host_copies=device is None
         )
+        batches: Iterator[Batch]
         if device is None:
-            return host
-        if device.type == "cuda":
-            return self._to_gpu(host, CopyStream(device))
-        return (batch.to(device) for batch in host)
+            batches = host
+        elif device.type == "cuda":
+            batches = self._to_gpu(host, CopyStream(device))
+        else:
+            batches = (batch.to(device) for batch in host)
+        return jobs.timed(batches, report=jobs.reporter(self.job, self.endpoint))
 
     @staticmethod
     def _to_gpu(batches: Iterator[Batch], copies: CopyStream) -> Iterator[Batch]:
@@ -239,7 +246,8 @@ class FastLoader:
         # The rest of this epoch and the next: the daemon prefetches across the boundary.
         plan_key = self._stream.split("/")[0]
         ahead = self.shard_urls(self.epoch + 1)
-        plan = plan_key if announce(conn, plan_key, [s.url for s in spans] + ahead) else None
+        urls = [s.url for s in spans] + ahead
+        plan = plan_key if announce(conn, plan_key, urls, self.job) else None
         filling = _Filling(ring.claim())
         reads = pipelined_reads(
             conn, spans, self._stream, inflight=self.inflight, exts=self.exts, plan=plan

@@ -19,6 +19,9 @@ Requests (header fields):
 - ``{"op": "plan", "id", "plan", "urls", "cursor", "job"}`` -> ``{"id", "ok"}``: the
   stream's future shard order (this epoch, then the next); ``read`` requests carry
   ``plan`` and ``pos`` (the index in ``urls`` being read) to move its cursor.
+- ``{"op": "report", "id", "job", "reporter", "wait_s", "loop_s", "batches", "ready"}`` ->
+  ``{"id", "ok"}``: a training process's cumulative time waiting for data, loop time,
+  batches and batches ready, for the daemon's per-job metrics.
 
 Errors: ``{"id", "ok": false, "code", "message"}`` with ``code`` from :class:`ErrorCode`.
 """
@@ -45,6 +48,7 @@ class Op(StrEnum):
     CLOSE = "close"
     STATUS = "status"
     PLAN = "plan"
+    REPORT = "report"
 
 
 class ErrorCode(StrEnum):

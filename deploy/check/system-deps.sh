@@ -3,6 +3,8 @@
 #   docker-compose     `docker-compose config` (v1 validates a compose file offline)
 #   debootstrap        the Debian root that `make deploy-check` boots
 #   systemd-container  systemd-nspawn, which boots it
+#   chromium           the headless browser that tests the dashboard (tests/test_dashboard.py)
+#   prometheus         promtool, which checks the alert rules (deploy/prometheus/)
 # Only as root with apt-get; elsewhere it says what is missing, and each check that needs
 # a missing tool says in one line that it skips.
 set -euo pipefail
@@ -11,6 +13,8 @@ want=()
 command -v docker-compose >/dev/null || want+=(docker-compose)
 command -v debootstrap >/dev/null || want+=(debootstrap)
 command -v systemd-nspawn >/dev/null || want+=(systemd-container)
+command -v chromium >/dev/null || want+=(chromium)
+command -v promtool >/dev/null || want+=(prometheus)
 [ ${#want[@]} -eq 0 ] && exit 0
 
 if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
