@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(PY) bench/malloc.py
 	$(PY) bench/loop_stall.py
 	$(PY) bench/verify.py
+	$(PY) bench/fetch_cpu.py
 
 bench-small: $(STAMP)
 	$(PY) bench/serve.py --small
@@ -53,6 +54,7 @@ bench-small: $(STAMP)
 	$(PY) bench/malloc.py --small
 	$(PY) bench/loop_stall.py --small
 	$(PY) bench/verify.py --small
+	$(PY) bench/fetch_cpu.py --small
 	$(PY) bench/soak.py --small
 
 # The soak: 32 client streams (CachedDataset with workers, FastLoader) at full speed for 10

@@ -80,16 +80,31 @@ class S3Server:
         self.client.create_bucket(Bucket=name)
         return name
 
-    def put(self, bucket: str, key: str, body: bytes) -> None:
-        """Upload one object."""
-        self.client.put_object(Bucket=bucket, Key=key, Body=body)
+    def put(
+        self, bucket: str, key: str, body: bytes, checksum: str | None = "CRC32", **extra: Any
+    ) -> None:
+        """Upload one object with a full-object checksum (``CRC32``, boto3's default,
+        ``CRC32C``, ``CRC64NVME``), or with none (as older tools upload); ``extra`` are
+        more ``put_object`` arguments."""
+        if checksum is None:
+            _client(self.endpoint_url, checksums=False).put_object(
+                Bucket=bucket, Key=key, Body=body, **extra
+            )
+        else:
+            self.client.put_object(
+                Bucket=bucket, Key=key, Body=body, ChecksumAlgorithm=checksum, **extra
+            )
 
 
-def _client(endpoint_url: str) -> Any:
+def _client(endpoint_url: str, checksums: bool = True) -> Any:
+    from botocore.config import Config
+
     return boto3.client(
         "s3",
         endpoint_url=endpoint_url,
         region_name="us-east-1",
         aws_access_key_id="testing",
         aws_secret_access_key="testing",
+        # Without: no checksum unless an operation requires one (PUT does not).
+        config=None if checksums else Config(request_checksum_calculation="when_required"),
     )

@@ -455,6 +455,10 @@ def test_sidecars_load_old_new_and_of_another_algorithm() -> None:
     info = ObjectInfo("s3://b/k", "http://e", len(body), "v", "v", "warm", None)
     new = Sidecar("s3://b/k", "v", index, info, member_sum(body), 5.0)
     assert Sidecar.from_bytes(new.to_bytes()) == new
+    # With the store's checksum of the object (and without: sidecars written before it).
+    checked = ObjectInfo("s3://b/k", "http://e", len(body), "v", "v", checksum="crc32:AAAA")
+    with_sum = Sidecar("s3://b/k", "v", index, checked, member_sum(body), 5.0)
+    assert Sidecar.from_bytes(with_sum.to_bytes()) == with_sum
     # Before checksums: url and version, an index without a checksums column.
     old = Sidecar.from_bytes(b'{"url": "s3://b/k", "version": "v"}\n' + bare.to_bytes())
     assert (old.info, old.checksum, old.published, old.index) == (None, None, 0.0, bare)

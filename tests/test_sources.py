@@ -418,18 +418,35 @@ async def test_cancelling_a_fetch_stops_its_parts(
 # --- verification --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("checksum", ["CRC32", "CRC32C", "CRC64NVME", None])
 @pytest.mark.parametrize("size", [SMALL, MID], ids=["single-get", "ranged"])
 async def test_corrupted_bytes_fail_verification(
-    via_proxy: S3Source, proxy: FaultProxy, s3_server: S3Server, bucket: str, size: int
+    *,
+    via_proxy: S3Source,
+    proxy: FaultProxy,
+    s3_server: S3Server,
+    bucket: str,
+    size: int,
+    checksum: str | None,
 ) -> None:
-    s3_server.put(bucket, "obj.tar", payload(size))
+    s3_server.put(bucket, "obj.tar", payload(size), checksum=checksum)
     url = f"s3://{bucket}/obj.tar"
     info = await via_proxy.head(url)
     proxy.inject("corrupt", offset=1234)
     with pytest.raises(VerifyError, match=re.escape(url)) as caught:
         await fetch_bytes(via_proxy, info)
-    if size == MID:  # ranged GETs carry no checksum of their own: ours catches it
-        assert f"expected {info.etag}" in str(caught.value)
+    # Checked once, by the daemon, in the streaming loop (not by botocore): against the
+    # store's checksum of the object where it has one, else the MD5 of its ETag. Ranged
+    # GETs (MID) carry no checksum of their own: the running one covers them in order.
+    if checksum is None:
+        assert info.checksum is None
+        assert f"MD5 mismatch: expected {info.etag}" in str(caught.value)
+    else:
+        assert info.checksum is not None and info.checksum.startswith(checksum.lower() + ":")
+        expected = info.checksum.split(":", 1)[1]
+        assert f"{checksum} mismatch: expected {expected}" in str(caught.value)
+    proxy.clear()
+    assert await fetch_bytes(via_proxy, info) == payload(size)  # and intact bytes pass
 
 
 async def test_verify_checksum_off_skips_the_md5(
@@ -450,13 +467,17 @@ async def test_kms_etag_is_not_taken_for_an_md5(
     # On S3 an SSE-KMS object's ETag looks like an MD5 but is not one: checking it would
     # fail every such shard. (moto's is the MD5, so a corrupted byte shows it was skipped.)
     body = payload(MID)
-    s3_server.client.put_object(
-        Bucket=bucket, Key="kms.tar", Body=body, ServerSideEncryption="aws:kms"
-    )
+    s3_server.put(bucket, "kms.tar", body, checksum=None, ServerSideEncryption="aws:kms")
     info = await via_proxy.head(f"s3://{bucket}/kms.tar")
     proxy.inject("corrupt", offset=5)
     got = await fetch_bytes(via_proxy, info)
     assert len(got) == len(body) and got != body
+    # A store checksum is of the plain bytes, whatever the encryption: it still checks.
+    s3_server.put(bucket, "kms.tar", body, ServerSideEncryption="aws:kms")
+    info = await via_proxy.head(f"s3://{bucket}/kms.tar")
+    proxy.inject("corrupt", offset=5)
+    with pytest.raises(VerifyError, match="CRC32 mismatch"):
+        await fetch_bytes(via_proxy, info)
 
 
 async def test_short_part_fails_verification(

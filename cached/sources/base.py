@@ -43,6 +43,10 @@ class ObjectInfo:
     etag: str | None = None
     tier: str = "warm"
     source_url: str | None = None
+    # The store's checksum of the whole object, "<algorithm>:<base64>" (e.g.
+    # "crc64nvme:AAAA..."), when it has one that the daemon can compute: the bytes are
+    # checked against it once, as they stream in. None: MD5 of a plain ETag, or size only.
+    checksum: str | None = None
 
     @property
     def read_url(self) -> str:

@@ -29,7 +29,7 @@ from .index import ShardIndex
 from .verify import ALGORITHM
 
 _STR = ("url", "endpoint", "version", "tier")
-_OPTIONAL_STR = ("etag", "source_url")
+_OPTIONAL_STR = ("etag", "source_url", "checksum")
 
 
 @dataclass(frozen=True)
@@ -118,4 +118,5 @@ def _info(doc: object) -> ObjectInfo | None:
         etag=doc.get("etag"),
         tier=doc["tier"],
         source_url=doc.get("source_url"),
+        checksum=doc.get("checksum"),
     )
