@@ -80,6 +80,7 @@ system-deps:
 deploy-lint: $(STAMP) system-deps
 	$(VENV)/bin/hadolint Dockerfile deploy/compose/trainer.Dockerfile deploy/compose/moto.Dockerfile
 	deploy/check/compose-config.sh
+	deploy/check/prometheus.sh
 	$(PY) deploy/check/k8s.py
 
 # The systemd unit as shipped, run under a real systemd (systemd-nspawn -b of a Debian

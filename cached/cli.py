@@ -1,4 +1,5 @@
-"""Command line: ``cached serve | status | prefetch | demo``. The only place that exits."""
+"""Command line: ``cached serve | status | prefetch | diagnose | demo``. The only place that
+exits."""
 
 from __future__ import annotations
 
@@ -72,6 +73,24 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_flags(prefetch)
     prefetch.add_argument("urls", nargs="+", help="shard URLs or brace patterns")
 
+    diagnose = sub.add_parser(
+        "diagnose", help="is training input-bound on these shards, and what should change"
+    )
+    _add_config_flags(diagnose)
+    diagnose.add_argument("urls", nargs="+", help="shard URLs or brace patterns")
+    diagnose.add_argument(
+        "--step-ms", type=float, default=100.0, help="training step time in ms (default 100)"
+    )
+    diagnose.add_argument("--workers", type=int, default=4, help="DataLoader workers (default 4)")
+    diagnose.add_argument(
+        "--batch-size", type=int, default=64, help="samples per batch (default 64)"
+    )
+    diagnose.add_argument("--decode", metavar="MODULE:FUNC", help="the workers' decode function")
+    diagnose.add_argument(
+        "--budget", type=float, default=40.0, help="seconds to spend measuring (default 40)"
+    )
+    diagnose.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
     demo = sub.add_parser("demo", help="the whole stack on this machine, embedded defaults")
     demo.add_argument("--epochs", type=int, default=3)
     demo.add_argument("--shards", type=int, default=16)
@@ -125,6 +144,19 @@ def _run(args: argparse.Namespace) -> int:
         return _status(_client_socket(args), args.json)
     if args.command == "prefetch":
         return _prefetch(_client_socket(args), args.urls)
+    if args.command == "diagnose":
+        from . import diagnose
+
+        return diagnose.run(
+            _client_socket(args),
+            args.urls,
+            step_ms=args.step_ms,
+            workers=args.workers,
+            batch_size=args.batch_size,
+            decode_spec=args.decode,
+            as_json=args.json,
+            budget_s=args.budget,
+        )
     if args.command == "demo":
         from .demo import main as demo_main
 

@@ -22,6 +22,7 @@ from . import __version__
 from .config import Config, format_size
 from .errors import CachedError
 from .fetcher import Fetcher
+from .history import History
 from .http import AdminHTTP
 from .jobs import JobBoard
 from .lock import DirLock
@@ -119,9 +120,17 @@ class Daemon:
                     jobs=self.jobs,
                 )
             )
+            # The dashboard's last minutes (GET /history), sampled from status().
+            self.history = History(self.status)
             try:
                 self.http = await self._stack.enter_async_context(
-                    AdminHTTP(self.cfg.server.http, m, self.status, lambda: self.ready)
+                    AdminHTTP(
+                        self.cfg.server.http,
+                        m,
+                        self.status,
+                        lambda: self.ready,
+                        history=self.history.snapshot,
+                    )
                 )
             except OSError as exc:
                 raise CachedError(
@@ -136,6 +145,7 @@ class Daemon:
         self._spawn(self.prefetcher.run(), "prefetch")
         self._spawn(self._refresh_gauges(), "gauges")
         self._spawn(self.loop_watch.run(), "loop watch")
+        self._spawn(self.history.run(), "history")
         if self.systemd.enabled:
             self._spawn(self._tell_systemd(), "systemd")
         self.ready = True
@@ -228,6 +238,7 @@ class Daemon:
             "streams": self.server.leases.streams() if hasattr(self, "server") else 0,
             "prefetch": {
                 "lookahead_bytes": self.cfg.prefetch.lookahead_bytes,
+                "concurrency": self.cfg.prefetch.concurrency,
                 "lead_s": _finite(self.prefetcher.lead_s) if hasattr(self, "prefetcher") else None,
                 "prefetches": _value(m.prefetches),
             },

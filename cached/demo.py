@@ -5,16 +5,22 @@ dataset into it as WebDataset tar shards, starts ``cached serve`` as a real subp
 and trains a small CNN for a few epochs through ``CachedDataset`` and a multi-worker
 DataLoader, printing per epoch: time, samples/s, hot-tier hits, the misses a reader
 waited for, bytes fetched from S3, and the share of time the loop waited for data.
+
+With ``$CACHED_DEMO_SCREENSHOT`` set to a path (or ``screenshot=``), a headless Chromium
+saves a PNG of the daemon's dashboard there while the last epoch trains
+(docs/dashboard.png is one).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import io
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +68,49 @@ def _counters(socket: str) -> dict[str, float]:
     return counters
 
 
+def _http_url(socket: str) -> str:
+    from cached_client.transport import Connection
+
+    header, _ = Connection(socket).request({"op": "status"})
+    url: str = header["status"]["http"]
+    return url
+
+
+SCREENSHOT_ENV = "CACHED_DEMO_SCREENSHOT"
+
+
+def _start_screenshot(http: str, path: Path) -> Callable[[], str]:
+    """Save a PNG of the dashboard at ``http`` to ``path``, in a thread: the browser takes a
+    second or two to start, and the training goes on meanwhile. Returns a function that
+    waits for it and says how it went (printed after the epochs' table, not inside it)."""
+    from .browser import capture
+
+    # Rendered, with at least two history samples (so the charts have a line).
+    ready = (
+        "window.cachedDashboard && cachedDashboard.renders > 0 && "
+        "cachedDashboard.history.samples.length >= 2"
+    )
+    said: list[str] = []
+
+    def shoot() -> None:
+        try:
+            errors = asyncio.run(capture(f"{http}/", ready, path))
+        except Exception as exc:  # a demo without its picture is still a demo
+            said.append(f"dashboard screenshot failed: {exc}")
+            return
+        problems = f"; page errors: {errors}" if errors else ""
+        said.append(f"dashboard screenshot: {path}{problems}")
+
+    thread = threading.Thread(target=shoot, name="dashboard screenshot")
+    thread.start()
+
+    def finish() -> str:
+        thread.join()
+        return "".join(said)
+
+    return finish
+
+
 def require_demo_extras() -> None:
     """Fail with what to install when a package the demo needs is missing: moto and boto3
     (the ``demo`` extra: the S3 stand-in) and torch (the training side)."""
@@ -90,9 +139,15 @@ def main(
     samples_per_shard: int = 256,
     workers: int = 2,
     workdir: str | None = None,
+    *,
+    screenshot: str | None = None,
 ) -> int:
-    """Run the demo; returns the process exit code."""
+    """Run the demo; returns the process exit code. ``screenshot`` (default:
+    ``$CACHED_DEMO_SCREENSHOT``): where to save a PNG of the dashboard, taken while the last
+    epoch trains."""
     require_demo_extras()
+    screenshot = screenshot or os.environ.get(SCREENSHOT_ENV) or None
+    shot = Path(screenshot).resolve() if screenshot else None
     import torch
     from cached_client import CachedDataset
     from cached_client.device import DeviceLoader, StallMeter, pinned_memory_available
@@ -137,7 +192,7 @@ def main(
                     f"with {workers} DataLoader workers\n"
                 )
                 dataset = CachedDataset(
-                    urls, socket=socket, shuffle=True, seed=0, decode=decode_sample
+                    urls, socket=socket, shuffle=True, seed=0, decode=decode_sample, job="demo"
                 )
                 loader = DataLoader(
                     dataset,
@@ -163,8 +218,11 @@ def main(
                 )
                 print(head)
                 print("-" * len(head))
+                shooter = None
                 for epoch in range(epochs):
                     dataset.set_epoch(epoch)
+                    if shot is not None and epoch == epochs - 1:
+                        shooter = _start_screenshot(_http_url(socket), shot)
                     before = _counters(socket)
                     meter = StallMeter()
                     seen = correct = 0
@@ -187,6 +245,8 @@ def main(
                         f"{format_size(after['fetched_bytes'] - before['fetched_bytes']):>10} "
                         f"{meter.fraction:>7.1%}"
                     )
+                if shooter is not None:
+                    print(shooter())  # the daemon serves the page until it is taken
                 print(
                     "\nepoch 0 fetched every shard from S3, ahead of the readers where it could;"
                     " later epochs were served from the hot tier.\n'misses' counts the shards a"

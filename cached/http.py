@@ -1,8 +1,10 @@
-"""The admin HTTP app: ``/metrics`` (Prometheus), ``/healthz``, ``/readyz``, ``/status``."""
+"""The admin HTTP app: ``/metrics`` (Prometheus), ``/healthz``, ``/readyz``, ``/status``,
+``/history``, and the dashboard at ``/`` (docs/observability.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib import resources
 from typing import Any
 
 from aiohttp import web
@@ -10,9 +12,41 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from .metrics import Metrics
 
+# The dashboard's files (package data, cached/dashboard/) and their types. A fixed list:
+# nothing else under /dashboard/ is served, whatever the path asks for.
+DASHBOARD_FILES = {
+    "index.html": "text/html",
+    "dashboard.js": "text/javascript",
+    "dashboard.css": "text/css",
+    "favicon.svg": "image/svg+xml",
+}
+# The page and its assets load from this address only: no CDN, no web font, no inline
+# script (nodes are often offline, and a browser enforcing this proves it).
+DASHBOARD_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; font-src 'none'; object-src 'none'; frame-ancestors 'none'; "
+    "base-uri 'none'; form-action 'none'"
+)
+_PAGE_HEADERS = {
+    "Content-Security-Policy": DASHBOARD_CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+def dashboard_files() -> dict[str, bytes]:
+    """The dashboard's files, read from the installed package."""
+    root = resources.files("cached") / "dashboard"
+    return {name: (root / name).read_bytes() for name in DASHBOARD_FILES}
+
 
 class AdminHTTP:
-    """An aiohttp site on ``host:port`` (port 0 picks a free one). An async context manager."""
+    """An aiohttp site on ``host:port`` (port 0 picks a free one). An async context manager.
+
+    ``history`` answers ``GET /history`` (:meth:`cached.history.History.snapshot`); without
+    it the dashboard gets no samples and draws no charts.
+    """
 
     def __init__(
         self,
@@ -20,16 +54,23 @@ class AdminHTTP:
         metrics: Metrics,
         status: Callable[[], dict[str, Any]],
         ready: Callable[[], bool],
+        history: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         host, _, port = address.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
         self._status = status
         self._ready = ready
+        self._history = history
+        # Read once: a few kB, and the page keeps working if the package is replaced.
+        self._files = dashboard_files()
         app = web.Application()
         app.router.add_get("/metrics", make_aiohttp_handler(metrics.registry))
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/status", self._status_handler)
+        app.router.add_get("/history", self._history_handler)
+        app.router.add_get("/", self._page)
+        app.router.add_get("/dashboard/{name}", self._asset)
         self._runner = web.AppRunner(app, access_log=None)
 
     async def __aenter__(self) -> AdminHTTP:
@@ -59,3 +100,25 @@ class AdminHTTP:
 
     async def _status_handler(self, _request: web.Request) -> web.Response:
         return web.json_response(self._status())
+
+    async def _history_handler(self, _request: web.Request) -> web.Response:
+        if self._history is None:
+            return web.json_response({"interval_s": None, "keep_s": None, "samples": []})
+        return web.json_response(self._history())
+
+    async def _page(self, _request: web.Request) -> web.Response:
+        return self._file("index.html")
+
+    async def _asset(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in DASHBOARD_FILES or name == "index.html":
+            raise web.HTTPNotFound(text="no such dashboard file\n")
+        return self._file(name)
+
+    def _file(self, name: str) -> web.Response:
+        return web.Response(
+            body=self._files[name],
+            content_type=DASHBOARD_FILES[name],
+            charset="utf-8",
+            headers=_PAGE_HEADERS,
+        )

@@ -414,9 +414,12 @@ class Server:
             return {}, []
         raise ProtocolError(f"unknown op {op!r}; expected one of {', '.join(Op)}")
 
-    async def _shard(self, header: Header, client: bytes, *, count: bool) -> tuple[Shard, str]:
-        """The shard a request names, fetched on a miss, and the stream's lease on it.
-        Opens count as hits or misses; reads (which follow an open) do not."""
+    async def _shard(
+        self, header: Header, client: bytes, *, count: bool
+    ) -> tuple[Shard, str, bool]:
+        """The shard a request names, fetched on a miss, the stream's lease on it, and
+        whether it was resident when the request came (a hit). Opens count as hits or
+        misses; reads (which follow an open) do not."""
         url, stream = _url(header), _str(header, "stream")
         kind = (
             "ahead" if header.get("ahead") else "prefetch" if header.get("prefetch") else "demand"
@@ -432,7 +435,7 @@ class Server:
                 self.metrics.demand_wait_seconds.observe(time.monotonic() - started)
         if header.get("pin", True):
             self.leases.hold(stream, shard, client)
-        return shard, stream
+        return shard, stream, hit
 
     async def _plan(self, header: Header, client: bytes) -> None:
         key = _str(header, "plan")
@@ -461,10 +464,11 @@ class Server:
             self.planner.advance(key, _int(header, "pos"))
 
     async def _open(self, header: Header, client: bytes) -> Header:
-        shard, _ = await self._shard(header, client, count=True)
+        shard, _, hit = await self._shard(header, client, count=True)
         assert shard.index is not None
         return {
             "url": shard.url,
+            "hit": hit,  # resident when the open came
             # Once per shard: lets a client that never waited long enough to ping notice
             # a restart (and tell the new daemon its plan again).
             "instance": self.instance,
@@ -486,7 +490,7 @@ class Server:
             raise ProtocolError("request field 'exts' must be a list of strings")
         wanted = None if exts is None else frozenset(exts)
         for attempt in (1, 2):
-            shard, stream = await self._shard(header, client, count=False)
+            shard, stream, _ = await self._shard(header, client, count=False)
             index = shard.index
             assert index is not None
             n = len(index.samples)

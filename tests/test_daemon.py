@@ -86,8 +86,11 @@ def test_two_clients_share_one_download(s3_server: S3Server, bucket: str, tmp_pa
     with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
         conns = [Connection(d.socket) for _ in range(4)]
         ids = [c.send({"op": "open", "url": url, "stream": f"s{i}"}) for i, c in enumerate(conns)]
-        for c, rid in zip(conns, ids, strict=True):
-            assert c.wait(rid)[0]["samples"] == 1
+        replies = [c.wait(rid)[0] for c, rid in zip(conns, ids, strict=True)]
+        assert all(r["samples"] == 1 for r in replies)
+        # The reply says whether the shard was resident when the open came.
+        again = conns[0].request({"op": "open", "url": url, "stream": "again"})[0]
+        assert replies[0]["hit"] is False and again["hit"] is True
     assert s3_server.count("GET", f"/{bucket}/a.tar") == 1
 
 

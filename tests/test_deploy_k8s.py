@@ -84,7 +84,7 @@ def test_shipped_manifests_pass() -> None:
     for kind in ("PriorityClass", "Namespace", "DaemonSet", "Service", "ServiceMonitor", "Pod"):
         assert f"{kind}/" in r.stdout
     assert "FAIL" not in r.stdout
-    assert r.stdout.splitlines()[-1].startswith("k8s manifests: 9 objects in 6 files, all valid")
+    assert r.stdout.splitlines()[-1].startswith("k8s manifests: 10 objects in 7 files, all valid")
 
 
 def test_each_defect_fails_naming_file_and_error(tmp_path: Path) -> None:

@@ -8,8 +8,9 @@ replies in any order. See ``docs/protocol.md`` for the full description.
 Requests (header fields):
 
 - ``{"op": "hello", "id", "v"}`` -> ``{"id", "ok", "v", "server"}``
-- ``{"op": "open", "id", "url", "stream"}`` -> ``{"id", "ok", "url", "samples", "size"}``;
-  fetches the shard first if it is not in the hot tier (a demand miss).
+- ``{"op": "open", "id", "url", "stream"}`` -> ``{"id", "ok", "url", "samples", "size",
+  "hit"}``; fetches the shard first if it is not in the hot tier (a demand miss; then
+  ``hit`` is false).
 - ``{"op": "read", "id", "url", "stream", "start", "count"}`` -> ``{"id", "ok", "start",
   "next", "end", "samples": [[key, [[ext, size], ...]], ...]}`` followed by one payload
   frame per member, in order. Reads address samples by (url, index), so a client that

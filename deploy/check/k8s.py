@@ -9,11 +9,13 @@ Every object is checked against its kind's schema, unknown fields rejected at an
 
 - Kubernetes' own kinds: the strict JSON schemas shipped in kubernetes-validate, of the
   newest Kubernetes version it ships (1.37 with kubernetes-validate 1.37.0).
-- ServiceMonitor (a Prometheus Operator CRD, which kubernetes-validate has no schema
-  for): the pydantic models that cloudcoil-models-prometheus-operator generates from the
-  Operator's CRD schemas (its version 0.80.1.0: Operator v0.80.1), validated with
-  ``extra="forbid"`` (unknown fields) and ``strict=True`` (no coercion of types, as the
-  API server does not coerce them either).
+- ServiceMonitor and PrometheusRule (Prometheus Operator CRDs, which kubernetes-validate
+  has no schema for): the pydantic models that cloudcoil-models-prometheus-operator
+  generates from the Operator's CRD schemas (its version 0.80.1.0: Operator v0.80.1),
+  validated with ``extra="forbid"`` (unknown fields) and ``strict=True`` (no coercion of
+  types, as the API server does not coerce them either). A PrometheusRule's PromQL is not
+  parsed here: it is generated from deploy/prometheus/cached-rules.yml, which promtool
+  checks and tests (deploy/check/prometheus.sh).
 
 A kind with neither fails: an object this script cannot check is not passed. The YAML is
 read with duplicate keys rejected (PyYAML keeps the last silently; kubectl rejects them).
@@ -51,6 +53,10 @@ CRD_MODELS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): (
         "cloudcoil.models.prometheus_operator.v1",
         "ServiceMonitor",
+    ),
+    ("monitoring.coreos.com/v1", "PrometheusRule"): (
+        "cloudcoil.models.prometheus_operator.v1",
+        "PrometheusRule",
     ),
 }
 
@@ -342,7 +348,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     versions = f"Kubernetes {kv.major_minor(K8S_VERSION)} strict schemas (kubernetes-validate "
     versions += f"{metadata.version('kubernetes-validate')})"
     with contextlib.suppress(metadata.PackageNotFoundError):
-        versions += f", ServiceMonitor: {CRD_PACKAGE} {metadata.version(CRD_PACKAGE)}"
+        versions += (
+            f", ServiceMonitor, PrometheusRule: {CRD_PACKAGE} {metadata.version(CRD_PACKAGE)}"
+        )
     verdict = "all valid" if not failed else f"{failed} problem{'s' * (failed > 1)}"
     print(f"k8s manifests: {checked} objects in {len(files)} files, {verdict}; {versions}")
     return 1 if failed else 0
