@@ -5,8 +5,14 @@ PY     := $(VENV)/bin/python
 # The CPU wheel; on a GPU node use e.g. `make demo TORCH=torch` to take your CUDA build.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# bench/peers.py's own environment: the project plus the peers (mosaicml-streaming, litdata,
+# s3torchconnector, webdataset, matplotlib), never installed into .venv.
+PEERS_VENV  ?= .venv-peers
+PEERS_PY    := $(PEERS_VENV)/bin/python
+PEERS_STAMP := $(PEERS_VENV)/.installed
+PEERS_PINS  := bench/peers-constraints.txt
 
-.PHONY: demo test check lint types unit bench bench-small soak gpu-check deploy-lint deploy-check system-deps clean
+.PHONY: demo test check lint types unit venv-peers bench bench-small bench-peers bench-peers-small soak gpu-check deploy-lint deploy-check system-deps clean
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +22,19 @@ $(STAMP): pyproject.toml client/pyproject.toml
 	touch $@
 
 venv: $(STAMP)
+
+# mosaicml-streaming and litdata go in with --no-deps: both require torchvision, whose only
+# wheel for torch 2.13.0 is a CUDA build that fails to import on the CPU torch; their runtime
+# dependencies are the peers extra (pyproject.toml; bench/peers-constraints.txt says more).
+$(PEERS_STAMP): pyproject.toml client/pyproject.toml $(PEERS_PINS)
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PY) -m pip install -q --upgrade pip
+	$(PEERS_PY) -m pip install -q -c $(PEERS_PINS) "$(TORCH)"
+	$(PEERS_PY) -m pip install -q -c $(PEERS_PINS) -e ./client -e '.[demo,peers]'
+	$(PEERS_PY) -m pip install -q -c $(PEERS_PINS) --no-deps mosaicml-streaming litdata
+	touch $@
+
+venv-peers: $(PEERS_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/cached demo
@@ -46,7 +65,7 @@ bench: $(STAMP)
 	$(PY) bench/verify.py
 	$(PY) bench/fetch_cpu.py
 
-bench-small: $(STAMP)
+bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/serve.py --small
 	$(PY) bench/transport.py --small
 	$(PY) bench/epochs.py --small
@@ -56,6 +75,16 @@ bench-small: $(STAMP)
 	$(PY) bench/verify.py --small
 	$(PY) bench/fetch_cpu.py --small
 	$(PY) bench/soak.py --small
+	$(PEERS_PY) bench/peers.py --small
+
+# The peers side by side (docs/benchmarks.md, "Peers side by side"): webdataset, Mosaic
+# Streaming, litdata, s3torchconnector and cached on one shaped S3 link, at 40 and 400 MB/s,
+# the dataset fitting the cache and twice it; rewrites docs/peers.png. About 40 minutes here.
+bench-peers: $(PEERS_STAMP)
+	$(PEERS_PY) bench/peers.py --chart docs/peers.png
+
+bench-peers-small: $(PEERS_STAMP)
+	$(PEERS_PY) bench/peers.py --small
 
 # The soak: 32 client streams (CachedDataset with workers, FastLoader) at full speed for 10
 # minutes against one daemon, with a dataset twice the hot tier; memory, fds, loop stalls,
@@ -90,4 +119,4 @@ deploy-check: $(STAMP) system-deps
 	deploy/check/systemd.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .demo
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .mypy_cache .ruff_cache .demo

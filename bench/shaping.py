@@ -46,7 +46,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,10 @@ class ShapedS3:
     request_ms: float = 0.0  # a small request (HEAD) through it, median
     unshaped_request_ms: float = 0.0  # the same before shaping: the store's own time
     detail: str = ""  # how it was set up, for the record
+    # Bytes the store has sent across the rate-limited link so far (responses: bodies and
+    # headers), read at the shaping layer: netns, the host end's veth receive counter (TCP/IP
+    # headers included); proxy, the download token bucket's count. None where unknown.
+    link_bytes: Callable[[], int] | None = field(default=None, repr=False)
 
     def record(self) -> dict[str, Any]:
         """A JSON-able description."""
@@ -349,6 +353,11 @@ def _tbf(rate_mbit: float, dev: str, netns: str | None = None) -> None:
     )
 
 
+def _counter(path: Path) -> Callable[[], int]:
+    """A reader of a byte counter file (``/sys/class/net/IF/statistics/rx_bytes``)."""
+    return lambda: int(path.read_text())
+
+
 @contextlib.contextmanager
 def _netns_s3(
     rate_mbit: float,
@@ -398,6 +407,7 @@ def _netns_s3(
         )
         s3.unshaped_mbit = unshaped
         s3.unshaped_request_ms = unshaped_request_ms
+        s3.link_bytes = _counter(Path(f"/sys/class/net/{host_if}/statistics/rx_bytes"))
         s3.measured_mbit = measure_mbit(url, probe_bytes)
         yield s3
     finally:
@@ -423,10 +433,12 @@ class TokenBucket:
         self._tokens = float(burst_bytes)
         self._stamp = time.monotonic()
         self._lock = threading.Lock()
+        self.total = 0  # bytes that passed (or are passing) so far
 
     def take(self, n: int) -> None:
         """Wait until ``n`` bytes fit (``n`` may exceed the burst: the debt is slept off)."""
         with self._lock:
+            self.total += n
             now = time.monotonic()
             self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
             self._stamp = now
@@ -736,6 +748,8 @@ def _proxy_s3(
         )
         s3.unshaped_mbit = unshaped
         s3.unshaped_request_ms = unshaped_request_ms
+        down = proxy.down
+        s3.link_bytes = lambda: down.total
         s3.measured_mbit = measure_mbit(url, probe_bytes)
         yield s3
     finally:
