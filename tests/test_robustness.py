@@ -3,6 +3,7 @@ clients name is capped; shutdown drains. Real daemon, real S3 (moto), real socke
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
@@ -15,6 +16,8 @@ from cached_client.errors import RemoteError
 from cached_client.protocol import decode, encode
 from cached_client.transport import Connection
 
+from cached.policy import LRUPolicy
+from cached.tiers.hot import HotTier
 from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, serve_config, thread_daemon
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server
@@ -230,3 +233,27 @@ def test_an_open_ahead_does_not_hold_a_stop(
     raw.close(linger=0)
     assert reply["code"] == "shutting_down", reply
     assert took < 3.0, took  # not the 5 s drain
+
+
+async def test_waiters_cancelled_twice_leave_the_others_waking(tmp_path: Path) -> None:
+    """A shutdown cancels opens ahead that wait for the hot tier to change, and cancels
+    again those that do not end in time. Such a waiter must end, and the others must still
+    be woken: an asyncio.Condition here once failed them with "Lock is not acquired" in
+    Python 3.11 and hung the daemon's exit (the soak caught it)."""
+    hot = HotTier(tmp_path, 1 << 20, 0, LRUPolicy())
+    waiters = [asyncio.create_task(hot.changed(30)) for _ in range(6)]
+    await asyncio.sleep(0)
+    for task in waiters[:3]:
+        task.cancel()
+        await asyncio.sleep(0)
+        task.cancel()
+    hot._notify()
+    _, pending = await asyncio.wait(waiters, timeout=2)
+    assert not pending
+    assert all(t.cancelled() for t in waiters[:3])
+    assert all(t.exception() is None for t in waiters[3:])
+    # And the next change wakes the next waiter (a fresh event each time).
+    again = asyncio.create_task(hot.changed(30))
+    await asyncio.sleep(0)
+    hot._notify()
+    await asyncio.wait_for(again, 2)

@@ -28,7 +28,6 @@ fails with :class:`CacheFull` when they do not within the timeout.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import mmap
@@ -164,12 +163,16 @@ class HotTier:
         self._writes: set[asyncio.Task[None]] = set()
         self._stop = threading.Event()
         self._used = 0  # resident + reserved bytes
-        self._changed = asyncio.Condition()
+        # Set (and replaced by a fresh one) whenever a shard is published, evicted or
+        # unpinned. An event, not an asyncio.Condition: a waiter cancelled twice (a
+        # shutdown's bounded second cancel) can leave a Condition's lock released by a
+        # task that no longer holds it (Python 3.11), failing every later waiter with
+        # "Lock is not acquired" and hanging the loop's final cancellation.
+        self._change = asyncio.Event()
         self.corrupt_found = 0
         # Bytes of evicted shard files being unlinked in a worker thread: already free, as
         # far as room for new downloads goes.
         self._unlinking = 0
-        self._wakes: set[asyncio.Task[None]] = set()
 
     # -- start -------------------------------------------------------------------------
 
@@ -434,9 +437,13 @@ class HotTier:
 
     async def changed(self, timeout_s: float) -> None:
         """Wait until a shard is published, evicted or unpinned, or ``timeout_s`` passes."""
-        async with self._changed:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout_s)
+        waiter = asyncio.ensure_future(self._change.wait())
+        try:
+            # asyncio.wait, not wait_for: it neither swallows a cancel of this task nor
+            # cancels the waiter at the timeout (3.11).
+            await asyncio.wait({waiter}, timeout=timeout_s)
+        finally:
+            waiter.cancel()
 
     def resident(self) -> Iterator[Shard]:
         """Every shard that is published (READY), in no particular order."""
@@ -485,22 +492,18 @@ class HotTier:
                 self._evict(victim)
             return self._open_writer(shard_id, info, need)
         deadline = time.monotonic() + self.pin_wait_s
-        async with self._changed:
-            while not self._make_room(need):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    stats = self.stats()
-                    raise CacheFull(
-                        f"no room for {url} ({size} bytes): {stats.used_bytes} of "
-                        f"{stats.capacity_bytes} bytes are held, {stats.pinned} shards pinned "
-                        f"by readers, {stats.fetching} being fetched; raise [cache] capacity "
-                        "or read with fewer streams"
-                    )
-                try:
-                    await asyncio.wait_for(self._changed.wait(), left)
-                except TimeoutError:
-                    continue
-            return self._open_writer(shard_id, info, need)
+        while not self._make_room(need):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                stats = self.stats()
+                raise CacheFull(
+                    f"no room for {url} ({size} bytes): {stats.used_bytes} of "
+                    f"{stats.capacity_bytes} bytes are held, {stats.pinned} shards pinned "
+                    f"by readers, {stats.fetching} being fetched; raise [cache] capacity "
+                    "or read with fewer streams"
+                )
+            await self.changed(left)
+        return self._open_writer(shard_id, info, need)
 
     def _open_writer(self, shard_id: str, info: ObjectInfo, need: int) -> ShardWriter:
         shard = self._orphans.pop(shard_id, None)
@@ -607,19 +610,15 @@ class HotTier:
         loop.run_in_executor(None, evicted.unlink, True).add_done_callback(unlinked)
 
     def _notify(self) -> None:
-        async def wake() -> None:
-            async with self._changed:
-                self._changed.notify_all()
-
-        # Called from synchronous code paths; the waiters re-check under the condition.
-        # Without a running loop (load() in a worker thread at start) nobody waits.
+        """Wake every waiter of :meth:`changed` (they re-check what they wait for)."""
+        # Without a running loop in this thread (load() in a worker thread at start) nobody
+        # waits, and an asyncio.Event may only be set from its loop's thread.
         try:
-            loop = asyncio.get_running_loop()
+            asyncio.get_running_loop()
         except RuntimeError:
             return
-        task = loop.create_task(wake())
-        self._wakes.add(task)  # a reference, so the task is not collected before it runs
-        task.add_done_callback(self._wakes.discard)
+        self._change.set()
+        self._change = asyncio.Event()
 
     def _tar(self, shard_id: str) -> Path:
         return self.dir / f"{shard_id}.tar"
