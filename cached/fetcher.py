@@ -244,6 +244,13 @@ class Fetcher:
 
     async def _ensure(self, info: ObjectInfo, priority: int) -> tuple[Shard, bool]:
         sid = shard_id(info)
+        # Spared by eviction from its publication until the caller pins it (no await
+        # between our return and its pin), or it may be gone before the caller's turn.
+        with self.hot.wanted(sid):
+            return await self._bring_in(sid, info, priority)
+
+    async def _bring_in(self, sid: str, info: ObjectInfo, priority: int) -> tuple[Shard, bool]:
+        """``_ensure``'s work, for a caller that holds ``hot.wanted(sid)``."""
         shard = await self._usable(self.hot.get(sid))
         if shard is not None:
             return shard, True
@@ -273,8 +280,8 @@ class Fetcher:
                         continue
                 priority = DEMAND
                 continue
-            # Under pressure another download may have evicted it between its publication
-            # and this waiter's turn; the caller pins what we return without awaiting.
+            # Eviction spares it (hot.wanted), but a copy found corrupt between its
+            # publication and this waiter's turn is dropped: fetch it again.
             if self.hot.get(sid) is shard:
                 return shard, False
 

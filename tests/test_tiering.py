@@ -22,7 +22,12 @@ from cached_client.transport import Connection
 from torch.utils.data import DataLoader
 
 from bench.cache_sim import offline_min
+from cached.errors import CacheFull
 from cached.fetcher import DEMAND, PREFETCH, PrioritySlots
+from cached.local import make_tar
+from cached.policy import LRUPolicy
+from cached.sources.base import ObjectInfo
+from cached.tiers.hot import HotTier
 from tests.daemon import (
     ProcessDaemon,
     daemon_config,
@@ -282,6 +287,46 @@ def test_eviction_spares_shards_in_use_and_the_bound_holds_under_prefetch(
     assert evictions > 0  # the tier was under pressure
     assert evicted_in_use == []
     assert 0 < watch.max_bytes <= capacity
+
+
+async def test_a_shard_a_reader_waits_for_is_spared_until_it_is_pinned(tmp_path: Path) -> None:
+    """A download publishes the shard a reader waits for; before the reader's turn comes
+    to pin it, a reservation woken by that publication needs room. It must take another
+    shard's, never this one: under pressure the reader would fetch it again, and again
+    (with two readers on a tier of six shards this once fetched 70x the dataset and hung).
+    """
+    body = make_tar([(f"s{i}", {"bin": bytes([i]) * 1000}) for i in range(4)])
+
+    def info(name: str) -> ObjectInfo:
+        return ObjectInfo(f"s3://b/{name}.tar", "e", len(body), "v1")
+
+    async def publish(name: str) -> None:
+        writer = await hot.reserve(name, info(name))
+        await writer.write(body)
+        await writer.publish()
+
+    # Room for one reservation and one resident shard (its tar and a sidecar of some
+    # 600 bytes), not two: each new reservation has to evict.
+    need = len(body) + len(body) // 16 + 65536
+    hot = HotTier(tmp_path, need + len(body) * 3 // 2, 0, LRUPolicy(), pin_wait_s=0.3)
+    await publish("waited")  # the oldest: LRU's first victim
+    await publish("other")
+    with hot.wanted("waited"):
+        writer = await hot.reserve("next", info("next"))
+        assert hot.get("waited", access=False) is not None
+        assert hot.get("other", access=False) is None  # the room came from this one
+        await writer.write(body)
+        await writer.publish()
+        # Only the waited-for shard is left to evict: a reservation waits rather than
+        # take it, and then says the tier is full.
+        hot.pin(hot.get("next"))
+        with pytest.raises(CacheFull):
+            await hot.reserve("last", info("last"))
+        assert hot.get("waited", access=False) is not None
+    # The reader gave up without pinning it: it is evictable again.
+    writer = await hot.reserve("last", info("last"))
+    assert hot.get("waited", access=False) is None
+    writer.abort()
 
 
 def test_a_killed_readers_plan_is_dropped_after_the_timeout(

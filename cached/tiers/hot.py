@@ -28,12 +28,14 @@ fails with :class:`CacheFull` when they do not within the timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import mmap
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,6 +161,8 @@ class HotTier:
         # same shard reuses the object, so that the readers' pins (and their later
         # unpins) stay on the copy they read.
         self._orphans: dict[str, Shard] = {}
+        # Shards readers are waiting for, by id (see :meth:`wanted`).
+        self._wanted: Counter[str] = Counter()
         self._checks: dict[str, asyncio.Task[bool]] = {}
         self._writes: set[asyncio.Task[None]] = set()
         self._stop = threading.Event()
@@ -269,6 +273,23 @@ class HotTier:
     def pin(self, shard: Shard) -> None:
         """A reader holds the shard: it cannot be evicted until :meth:`unpin`."""
         shard.pins += 1
+
+    @contextlib.contextmanager
+    def wanted(self, shard_id: str) -> Iterator[None]:
+        """While open, a reader waits for ``shard_id``: once published, eviction spares it
+        as it spares a pinned shard, so that it is still there when the reader's turn
+        comes to pin it. Without this, under pressure, a reservation woken by the
+        publication could evict it first, the reader fetch it again, and so on (a
+        livelock seen with two readers on a tier of six shards). The reader must pin what
+        it gets before it leaves the block, with no await in between."""
+        self._wanted[shard_id] += 1
+        try:
+            yield
+        finally:
+            self._wanted[shard_id] -= 1
+            if not self._wanted[shard_id]:
+                del self._wanted[shard_id]
+                self._notify()  # it may be evictable now: reservations re-check
 
     def unpin(self, shard: Shard) -> None:
         """Release one pin; wakes reservations waiting for room."""
@@ -547,11 +568,17 @@ class HotTier:
         return False
 
     def _evictable(self) -> Iterator[Shard]:
-        """READY shards no reader holds, in the policy's eviction order. One ranking for
-        the whole pass: the order of the others does not change as some are evicted."""
+        """READY shards no reader holds or waits for, in the policy's eviction order. One
+        ranking for the whole pass: the order of the others does not change as some are
+        evicted."""
         for shard_id in self.policy.victims():
             shard = self._shards.get(shard_id)
-            if shard is not None and shard.state is ShardState.READY and shard.pins == 0:
+            if (
+                shard is not None
+                and shard.state is ShardState.READY
+                and shard.pins == 0
+                and shard_id not in self._wanted
+            ):
                 yield shard
 
     def _short(self, need: int, headroom: int) -> bool:
