@@ -251,6 +251,12 @@ class Daemon(DaemonProcess):
         if isinstance(exc_type, type) and not issubclass(exc_type, KeyboardInterrupt | SystemExit):
             print(f"--- end of {self.log}:\n{self.log_tail()}", file=sys.stderr)
 
+    def cpu_s(self) -> float:
+        """User + system CPU seconds the daemon process has used so far."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def prefetch(self, urls: Sequence[str]) -> float:
         """``cached prefetch URL...`` into this daemon's hot tier; returns seconds taken."""
         started = time.perf_counter()
@@ -271,6 +277,14 @@ class Daemon(DaemonProcess):
 # -- timing ---------------------------------------------------------------------------------
 
 Pass = Callable[[], tuple[int, int]]  # one full pass over the data: (samples, bytes)
+
+
+def metered(daemon: Daemon, cpu: list[float], one_pass: Pass) -> tuple[int, int]:
+    """One pass, adding the daemon's CPU seconds for it to ``cpu``."""
+    before = daemon.cpu_s()
+    got = one_pass()
+    cpu.append(daemon.cpu_s() - before)
+    return got
 
 
 @dataclass

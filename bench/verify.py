@@ -15,7 +15,6 @@ shows medians, the on/off ratio and the daemon's CPU seconds per GB served (from
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 import sys
 import time
@@ -40,20 +39,6 @@ class ModeDaemon(common.Daemon):
         self.mode = mode
         # [cache] verify_reads, through the environment (it overrides the config file).
         self.env["CACHED_CACHE_VERIFY_READS"] = "true" if mode == "on" else "false"
-
-    def cpu_s(self) -> float:
-        """User + system CPU seconds the daemon process has used so far."""
-        assert self.proc is not None
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def metered(daemon: ModeDaemon, cpu: list[float], one_pass: common.Pass) -> tuple[int, int]:
-    """One pass, adding the daemon's CPU seconds for it to ``cpu``."""
-    before = daemon.cpu_s()
-    got = one_pass()
-    cpu.append(daemon.cpu_s() - before)
-    return got
 
 
 def check_cost(shards: common.ShardSet, repeats: int) -> dict[str, float]:
@@ -147,7 +132,9 @@ def run_set(daemons: dict[str, ModeDaemon], shards: common.ShardSet, args: Any) 
         ):
             name = f"{reader} verify={mode}"
             cpu[name] = []
-            specs.append(common.Spec(name, reader, functools.partial(metered, d, cpu[name], one)))
+            specs.append(
+                common.Spec(name, reader, functools.partial(common.metered, d, cpu[name], one))
+            )
     results = common.measure_all(specs, repeats=args.repeats, expect=expect, log=common.log)
     rows = []
     for r in results:

@@ -203,7 +203,8 @@ def _status(socket: str, as_json: bool) -> int:
         f"{c['evictions']:.0f} evictions"
     )
     print(
-        f"served    {c['served_samples']:.0f} samples, {format_size(c['served_bytes'])}, "
+        f"served    {c['served_samples']:.0f} samples, {format_size(c['served_bytes'])} "
+        f"({format_size(c.get('local_read_bytes', 0.0))} read from the files by local readers), "
         f"{status['streams']} streams"
     )
     tiers, pre = status["tiers"], status["prefetch"]

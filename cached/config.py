@@ -95,6 +95,11 @@ class ServerConfig:
     # URL prefixes a client may ask for (cached/access.py). file:// is not in the default:
     # a client could name any file the daemon can read.
     allow: tuple[str, ...] = ("s3://",)
+    # Local reads (docs/protocol.md): clients on this node that can open the hot tier's
+    # files (the daemon's group: the directory becomes 0750, shard files 0640) read the
+    # sample bytes from them; the socket carries only control messages. false: every byte
+    # goes through the socket, and the files stay the daemon's alone.
+    local_reads: bool = True
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ class Daemon:
             pin_wait_s=cfg.cache.pin_wait_s,
             on_evict=self._count_eviction,
             verify_reads=cfg.cache.verify_reads,
+            shared=cfg.server.local_reads,
         )
 
     async def __aenter__(self) -> Daemon:
@@ -118,6 +119,7 @@ class Daemon:
                     socket_group=self.cfg.server.socket_group,
                     allow=self.cfg.server.allow,
                     jobs=self.jobs,
+                    local_reads=self.cfg.server.local_reads,
                 )
             )
             # The dashboard's last minutes (GET /history), sampled from status().
@@ -232,6 +234,7 @@ class Daemon:
                 "evictions": _value(m.evictions),
                 "served_samples": _value(m.served_samples),
                 "served_bytes": _value(m.served_bytes),
+                "local_read_bytes": _value(m.local_read_bytes),
                 "retries": _value(m.retries),
                 "corrupt_shards": _value(m.corrupt_shards),
             },

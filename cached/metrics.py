@@ -62,7 +62,14 @@ class Metrics:
             "cached_served_samples_total", "Samples sent to clients", registry=r
         )
         self.served_bytes = Counter(
-            "cached_served_bytes_total", "Payload bytes sent to clients", registry=r
+            "cached_served_bytes_total",
+            "Payload bytes served to clients (sent, or read by them from the hot tier's files)",
+            registry=r,
+        )
+        self.local_read_bytes = Counter(
+            "cached_local_read_bytes_total",
+            "Payload bytes local clients read from the hot tier's files, not sent",
+            registry=r,
         )
         self.requests = Counter(
             "cached_requests_total", "Client requests", ["op", "result"], registry=r

@@ -165,8 +165,11 @@ class Server:
         socket_group: str | None = None,
         allow: Sequence[str] = DEFAULT_ALLOW,
         jobs: JobBoard | None = None,
+        local_reads: bool = True,
     ) -> None:
         self.endpoint = endpoint
+        # Answer reads that ask for it with the shard file's layout, not its bytes.
+        self.local_reads = local_reads
         self.socket_mode = socket_mode
         self.socket_group = socket_group
         self.access = Access(allow)
@@ -489,6 +492,9 @@ class Server:
         ):
             raise ProtocolError("request field 'exts' must be a list of strings")
         wanted = None if exts is None else frozenset(exts)
+        # A local reader reads the members from the file itself (and checks them: the
+        # reply gives their checksums); the socket carries only this header.
+        local = bool(header.get("local")) and self.local_reads
         for attempt in (1, 2):
             shard, stream, _ = await self._shard(header, client, count=False)
             index = shard.index
@@ -501,8 +507,15 @@ class Server:
             picked: list[Member] = []
             for sample in index.samples[start:stop]:
                 members = [m for m in sample.members if wanted is None or m.ext in wanted]
-                samples.append([sample.key, [[m.ext, m.size] for m in members]])
+                if local:
+                    listed = [[m.ext, m.size, m.offset, m.checksum] for m in members]
+                else:
+                    listed = [[m.ext, m.size] for m in members]
+                samples.append([sample.key, listed])
                 picked.extend(members)
+            if local:
+                frames: list[Any] = []
+                break
             try:
                 # Checked against their checksums first: rotten bytes are never sent.
                 frames = await self.hot.read(shard, picked)
@@ -512,11 +525,17 @@ class Server:
                     raise
                 # The hot tier dropped the rotten copy; _shard fetches a good one.
         nbytes = sum(m.size for m in picked)
-        if stop == n:
+        reply: Header = {"start": start, "next": stop, "end": stop == n, "samples": samples}
+        if local:
+            # The reader holds the file open past this reply: its lease (the pin that keeps
+            # the file from being unlinked under it) goes with its close, not here.
+            reply["local"] = self.hot.locate(shard)
+            self.metrics.local_read_bytes.inc(nbytes)
+        elif stop == n:
             self.leases.release(stream, shard.shard_id)
         self.metrics.served_samples.inc(stop - start)
         self.metrics.served_bytes.inc(nbytes)
-        return {"start": start, "next": stop, "end": stop == n, "samples": samples}, frames
+        return reply, frames
 
 
 async def _answers(ctx: zmq.asyncio.Context, endpoint: str) -> bool:

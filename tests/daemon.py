@@ -64,6 +64,11 @@ class ThreadDaemon:
 
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
 
+    def served(self) -> tuple[float, float]:
+        """(payload bytes served, those of them read by local readers from the files)."""
+        m = self.daemon.metrics
+        return self.call(lambda: (m.served_bytes._value.get(), m.local_read_bytes._value.get()))
+
 
 @contextmanager
 def thread_daemon(cfg: Config) -> Iterator[ThreadDaemon]:

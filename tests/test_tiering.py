@@ -7,6 +7,8 @@ ZeroMQ, and for the slow store a real TCP proxy that shapes the link's rate.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -274,6 +276,14 @@ def test_eviction_spares_shards_in_use_and_the_bound_holds_under_prefetch(
         def check(shard: Any) -> None:
             if shard.pins:
                 evicted_in_use.append(shard.url)
+            # The readers (threads of this process) read the files themselves (local
+            # reads): none may hold open a file being evicted, or its bytes would stay on
+            # disk beyond the capacity that DirWatcher sees.
+            path = str(hot.path(shard))
+            for fd in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/self/fd/{fd}") == path:
+                        evicted_in_use.append(f"{shard.url} (open)")
             assert count is not None
             count(shard)
 
@@ -284,7 +294,12 @@ def test_eviction_spares_shards_in_use_and_the_bound_holds_under_prefetch(
                 ds.set_epoch(epoch)
             assert [len(k) for k in read_together(jobs)] == [18 * 8, 18 * 8]
         evictions = d.call(lambda: d.daemon.status()["counters"]["evictions"])
+        m = d.daemon.metrics
+        served, local = d.call(
+            lambda: (m.served_bytes._value.get(), m.local_read_bytes._value.get())
+        )
     assert evictions > 0  # the tier was under pressure
+    assert local == served > 0  # every byte read from the files
     assert evicted_in_use == []
     assert 0 < watch.max_bytes <= capacity
 

@@ -39,6 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import CacheError, CacheFull, NotATarError
 from ..policy import EvictionPolicy
@@ -55,6 +56,9 @@ log = logging.getLogger(__name__)
 THREAD_CHECK_BYTES = 8 << 20
 # An evicted shard's data file, renamed to this while a worker thread unlinks it.
 EVICTED_SUFFIX = ".evicted"
+# With local reads: the daemon's group may list the directory and read the shard files.
+SHARED_DIR_MODE = 0o750
+SHARED_FILE_MODE = 0o640
 
 
 class NotAdmitted(Exception):
@@ -91,6 +95,8 @@ class Shard:
     # False for a shard reloaded at start until its file has been read back and checked.
     verified: bool = True
     published: float = 0.0  # Unix time
+    # (inode, size, mtime_ns) of the published file, for local readers (HotTier.locate).
+    identity: tuple[int, int, int] | None = None
     # Counts renewals: a check that ran on an earlier copy does not judge the current one.
     generation: int = 0
     _map: mmap.mmap | None = field(default=None, repr=False)
@@ -105,6 +111,7 @@ class Shard:
         self.index = None
         self.checksum = None
         self.verified = True
+        self.identity = None
         self._map = None
 
     def view(self, path: Path) -> memoryview:
@@ -144,6 +151,7 @@ class HotTier:
         policy: EvictionPolicy,
         *,
         pin_wait_s: float = 30.0,
+        shared: bool = False,
         on_evict: Callable[[Shard], None] | None = None,
         verify_reads: bool = True,
     ) -> None:
@@ -152,6 +160,9 @@ class HotTier:
         self.min_free_bytes = min_free_bytes
         self.policy = policy
         self.pin_wait_s = pin_wait_s
+        # Local readers (the daemon's group) open the shard files: the directory is 0750
+        # and each published shard 0640, whatever the umask. Else they stay the daemon's.
+        self.shared = shared
         self.verify_reads = verify_reads
         self._on_evict = on_evict
         self._on_corrupt: list[Callable[[Shard, str], None]] = []
@@ -187,6 +198,8 @@ class HotTier:
         configuration change) are evicted.
         """
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self.shared:
+            self.dir.chmod(SHARED_DIR_MODE)
         for path in self.dir.iterdir():
             # Downloads cut off, and evicted files a stop left before they were unlinked.
             if path.name.endswith((".partial", EVICTED_SUFFIX)):
@@ -269,6 +282,25 @@ class HotTier:
     def view(self, shard: Shard) -> memoryview:
         """The bytes of a READY shard."""
         return shard.view(self._tar(shard.shard_id))
+
+    def locate(self, shard: Shard) -> dict[str, Any]:
+        """Where a local reader finds a READY shard's bytes: the file's path, and its
+        identity (inode, size, mtime), by which the reader tells the daemon's file from a
+        namesake (another host's hot tier, another mount)."""
+        path = self._tar(shard.shard_id)
+        if shard.identity is None:
+            st = path.stat()  # once per copy: a published file never changes
+            shard.identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+        ino, size, mtime_ns = shard.identity
+        index = shard.index
+        algorithm = index.algorithm if index is not None and self.verify_reads else None
+        return {
+            "path": str(path),
+            "ino": ino,
+            "size": size,
+            "mtime_ns": mtime_ns,
+            "algorithm": algorithm,
+        }
 
     def pin(self, shard: Shard) -> None:
         """A reader holds the shard: it cannot be evicted until :meth:`unpin`."""
@@ -731,6 +763,8 @@ class ShardWriter:
         os.fsync(self._file.fileno())
         self._file.close()
         _write_atomically(self.hot._idx(self.shard.shard_id), meta)
+        if self.hot.shared:
+            os.chmod(self._partial, SHARED_FILE_MODE)
         os.replace(self._partial, self.hot._tar(self.shard.shard_id))
         return index
 

@@ -16,6 +16,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import jobs, partition, resume
 from .errors import UsageError
+from .local import choose
 from .reader import RawSample, announce, pipelined_reads, raw_samples, shard_lengths
 from .resume import Position, Ref
 from .transport import Connection, resolve_endpoint
@@ -56,6 +57,12 @@ class CachedDataset(IterableDataset[Any]):
             DataLoader over this dataset); None means ``$CACHED_JOB``, else a name made
             from the script and the launch, the same in every rank (see
             :func:`cached_client.jobs.job_name`).
+        local_reads: on the daemon's node, read the sample bytes straight from the hot
+            tier's files, the socket carrying only the control messages (docs/protocol.md,
+            "Local reads"). None (the default) means ``$CACHED_LOCAL_READS`` (``auto``,
+            ``on`` or ``off``), else auto: local where this process can open the files (as
+            a member of the daemon's group), else through the socket. True requires it
+            (``LocalReadsUnavailable`` where it cannot), False never does it.
 
     Resuming: :meth:`state_dict` and :meth:`load_state_dict` save and restore the reader's
     exact position (epoch, shard, sample, shuffle buffer) in the process that iterates:
@@ -80,6 +87,7 @@ class CachedDataset(IterableDataset[Any]):
         inflight: int = 4,
         connect_timeout_s: float = 5.0,
         job: str | None = None,
+        local_reads: bool | None = None,
     ) -> None:
         super().__init__()
         self.urls = expand_all(urls)
@@ -107,6 +115,7 @@ class CachedDataset(IterableDataset[Any]):
         # an epoch's plan replaces the previous one (which announced it in advance).
         self._plans = uuid.uuid4().hex[:12]
         self.job = jobs.job_name(job)
+        self.local_reads = choose(local_reads)
 
     # -- epochs -----------------------------------------------------------------------------
 
@@ -143,7 +152,11 @@ class CachedDataset(IterableDataset[Any]):
             # a ZeroMQ socket is unusable after fork, and pyzmq's close is a no-op here.
             self._conn = None
         if self._conn is None:
-            self._conn = Connection(self.endpoint, connect_timeout_s=self.connect_timeout_s)
+            self._conn = Connection(
+                self.endpoint,
+                connect_timeout_s=self.connect_timeout_s,
+                local_reads=self.local_reads,
+            )
             self._conn_pid = pid
         self._conn.open()
         return self._conn

@@ -45,6 +45,12 @@ class StaleBatch(CachedClientError, RuntimeError):
     """A host batch was used after the loader reused its buffers for a later batch."""
 
 
+class LocalReadsUnavailable(CachedClientError, OSError):
+    """Local reads were required (``local_reads=True`` or ``$CACHED_LOCAL_READS=on``) and
+    this process cannot read the daemon's hot-tier files, or the daemon does not offer
+    them."""
+
+
 class RemoteError(CachedClientError, RuntimeError):
     """The daemon answered with an error."""
 

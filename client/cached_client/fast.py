@@ -23,6 +23,7 @@ from . import jobs, partition, resume
 from .buffers import Batch, Ring, Slot, pinned_memory_available
 from .device import CopyStream, require_device, with_index
 from .errors import ProtocolError, UsageError, check_reply
+from .local import choose
 from .reader import announce, pipelined_reads, shard_lengths
 from .resume import Position, Ref
 from .transport import Connection, Reply, resolve_endpoint
@@ -54,7 +55,7 @@ class FastLoader:
             number of batches: no rank waits for another in DDP's last all-reduce); the
             daemon indexes every shard once first, and up to ``world_size - 1`` samples of
             each epoch are left out. :func:`len` then gives the number of batches.
-        socket, shuffle, seed, rank, world_size, job: as for
+        socket, shuffle, seed, rank, world_size, job, local_reads: as for
             :class:`~cached_client.CachedDataset`. The loader measures how long the training
             loop waits for each batch and reports it to the daemon under ``job``.
 
@@ -82,6 +83,7 @@ class FastLoader:
         pin_memory: bool | None = None,
         connect_timeout_s: float = 5.0,
         job: str | None = None,
+        local_reads: bool | None = None,
     ) -> None:
         if batch_size < 1:
             raise UsageError(f"batch_size must be positive, not {batch_size}")
@@ -103,6 +105,7 @@ class FastLoader:
         self.drop_last = drop_last
         self.connect_timeout_s = connect_timeout_s
         self.job = jobs.job_name(job)
+        self.local_reads = choose(local_reads)
         self.epoch = 0
         self._conn: Connection | None = None
         self._ring: Ring | None = None
@@ -124,7 +127,11 @@ class FastLoader:
     def conn(self) -> Connection:
         """The connection to the daemon (made on first use)."""
         if self._conn is None:
-            self._conn = Connection(self.endpoint, connect_timeout_s=self.connect_timeout_s)
+            self._conn = Connection(
+                self.endpoint,
+                connect_timeout_s=self.connect_timeout_s,
+                local_reads=self.local_reads,
+            )
         return self._conn
 
     def lengths(self) -> list[int]:
@@ -293,10 +300,11 @@ class _Filling:
         # The batch's last sample, and whether it ended its part: the position after it.
         self.last: tuple[Ref, bool] = ((0, 0), False)
 
-    def add(self, key: str, members: list[tuple[str, int]], reply: Reply) -> None:
-        """Receive one sample's members (the reply's next frames) into the slot."""
+    def add(self, key: str, members: list[list[Any]], reply: Reply) -> None:
+        """Receive one sample's members (the reply's next frames) into the slot; each is
+        ``[ext, size, ...]`` (a local reply adds the offset and checksum)."""
         n = len(self.keys)
-        for ext, size in members:
+        for ext, size, *_ in members:
             at = self.used.get(ext, 0)
             try:
                 got = reply.read_into(self.slot.region(ext, at, size))

@@ -70,9 +70,10 @@ def shard_lengths(
     return lengths
 
 
-def release(conn: Connection, url: str, stream: str) -> None:
-    """Release the stream's pin on a shard without waiting (best effort: a daemon that is
-    gone lets the lease lapse on its own)."""
+def done(conn: Connection, url: str, stream: str) -> None:
+    """The stream is done with a shard: close its file (local reads), then release its pin
+    without waiting (best effort: a daemon that is gone lets the lease lapse on its own)."""
+    conn.done_with(url)
     with contextlib.suppress(Exception):
         conn.send({"op": Op.CLOSE, "url": url, "stream": stream}, reply=False)
 
@@ -229,12 +230,14 @@ def pipelined_reads(
             yield read, rid
             if read.last:
                 held.discard(read.url)
-                if read.partial:  # the daemon releases a pin only at the shard's end
-                    release(conn, read.url, stream)
+                # The daemon releases a pin at the shard's end, except a local reader's:
+                # that holds the file open until here, and must close it first.
+                if read.partial or conn.reads_locally:
+                    done(conn, read.url, stream)
     finally:
         conn.forget([rid for rid, _ in pending] + [rid for _, _, rid, _ in opens])
         for url in held:
-            release(conn, url, stream)
+            done(conn, url, stream)
 
 
 def read_spans(
@@ -257,7 +260,8 @@ def raw_samples(reply: Header, frames: Sequence[zmq.Frame]) -> Iterator[RawSampl
     ``reply["start"] + i`` is the i-th)."""
     i = 0
     for key, members in reply["samples"]:
-        yield key, [(ext, frames[i + j]) for j, (ext, _size) in enumerate(members)]
+        # Each member is [ext, size] (a local reply adds its offset and checksum).
+        yield key, [(member[0], frames[i + j]) for j, member in enumerate(members)]
         i += len(members)
 
 

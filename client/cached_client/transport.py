@@ -14,7 +14,10 @@ request and its reply:
   socket, for the caller to receive into its own buffers (:meth:`Reply.read_into`);
 - draining: whatever a caller left unread of such a reply (an error, an early exit) is
   discarded before the next message is read, so a payload frame is never taken for a
-  header.
+  header;
+- local reads: on the daemon's node, reads ask for the shard file's layout instead of its
+  bytes, and the reply's members come from the file (``local.py``); where the files cannot
+  be read, the same request goes through the socket.
 """
 
 from __future__ import annotations
@@ -30,7 +33,15 @@ import zmq
 
 from . import protocol
 from .diagnose import explain_unreachable
-from .errors import DaemonTimeout, DaemonUnavailable, ProtocolError, RemoteError, check_reply
+from .errors import (
+    DaemonTimeout,
+    DaemonUnavailable,
+    LocalReadsUnavailable,
+    ProtocolError,
+    RemoteError,
+    check_reply,
+)
+from .local import LocalFiles, LocalRead, LocalUnavailable
 from .memory import tune_malloc
 from .protocol import (
     DEFAULT_SOCKET,
@@ -69,12 +80,29 @@ class Reply:
     """
 
     def __init__(
-        self, header: Header, frames: list[zmq.Frame] | None, conn: Connection | None = None
+        self,
+        header: Header,
+        frames: list[zmq.Frame] | None,
+        conn: Connection | None = None,
+        *,
+        local: LocalRead | None = None,
     ) -> None:
         self.header = header
-        self._held: Iterator[zmq.Frame] | None = None if frames is None else iter(frames)
+        self._held: Iterator[Any] | None = None if frames is None else iter(frames)
         self._conn = conn
         self._message = conn._messages if conn is not None else 0
+        self._local = local
+
+    def _from_file(self, buffer: Any) -> int | None:
+        """A local reply's next member into ``buffer``; None when it is not (or no longer)
+        read from the file, its remaining frames then held as a stashed reply's are."""
+        local = self._local
+        if local is None:
+            return None
+        got = local.read_into(buffer)
+        if got is None:
+            self._held, self._local = iter(local.rest or []), None
+        return got
 
     def _live_socket(self) -> zmq.Socket[bytes]:
         conn = self._conn
@@ -85,6 +113,9 @@ class Reply:
     def read_into(self, buffer: Any) -> int:
         """Receive the next payload frame into ``buffer`` (writable, at least the frame's
         size); returns the frame's size. Raises :class:`ProtocolError` if there is none."""
+        got = self._from_file(buffer)
+        if got is not None:
+            return got
         if self._held is not None:
             frame = next(self._held, None)
             if frame is None:
@@ -102,6 +133,8 @@ class Reply:
 
     def frames(self) -> list[zmq.Frame]:
         """Every payload frame not yet taken."""
+        if self._local is not None:
+            return self._local.frames()
         if self._held is not None:
             return list(self._held)
         self._live_socket()
@@ -123,7 +156,11 @@ class Connection:
         connect_timeout_s: float = 5.0,
         dead_after_s: float = 15.0,
         request_timeout_s: float = 900.0,
+        local_reads: bool | None = None,
     ) -> None:
+        """``local_reads``: read sample bytes from the hot tier's files where this process
+        can (None, "auto"), always (True: :class:`LocalReadsUnavailable` where it cannot),
+        or never (False)."""
         tune_malloc()  # before the ZeroMQ context starts its I/O thread
         self.endpoint = endpoint
         self.connect_timeout_s = connect_timeout_s
@@ -138,6 +175,11 @@ class Connection:
         # State the daemon holds for us (plans): told again to a daemon that restarted.
         self._standing: dict[str, Header] = {}
         self._messages = 0  # headers received: a Reply left on the socket is valid until the next
+        self.local_reads = local_reads
+        self._local_on = local_reads is not False  # reads still ask for local replies
+        self._files = LocalFiles()
+        self._local_sent: dict[int, Header] = {}  # local reads, until their reply is taken
+        self._local_answered = False
 
     def _unreachable(self) -> DaemonUnavailable:
         why = explain_unreachable(self.endpoint)
@@ -171,6 +213,7 @@ class Connection:
             self._sock.close(linger=0)
             self._sock = None
         self._early.clear()
+        self._files.close()
 
     def reconnect(self) -> None:
         """A fresh socket and handshake, then re-send every unanswered request.
@@ -187,26 +230,43 @@ class Connection:
         self.open()
         self._resend(standing=self._instance != previous)
 
-    def send(self, header: Header, *, reply: bool = True) -> int:
+    def send(self, header: Header, *, reply: bool = True, local: bool = True) -> int:
         """Send a request without waiting; returns its id.
 
         With ``reply=False`` the answer is not awaited and is dropped when it comes (used
-        for ``close``, which a client sends on its way out).
+        for ``close``, which a client sends on its way out). A read asks for a local reply
+        while local reads are on, unless ``local`` is false.
         """
         self.open()
         assert self._sock is not None
         request_id = next(self._ids)
         header = {**header, "id": request_id}
+        if local and self._local_on and header.get("op") == Op.READ:
+            header["local"] = True
+            self._local_sent[request_id] = header
         if reply:
             self._pending[request_id] = header
         self._sock.send(encode(header))
         return request_id
+
+    @property
+    def reads_locally(self) -> bool:
+        """Whether the daemon has answered a read locally on this connection: then it
+        keeps the stream's leases until ``close`` (see :meth:`done_with`), also after the
+        connection went back to the socket."""
+        return self._local_answered
+
+    def done_with(self, url: str) -> None:
+        """The reader is done with ``url``'s shard: close its file, which must happen
+        before the lease goes (a daemon keeps a local reader's lease until ``close``)."""
+        self._files.release(url)
 
     def forget(self, request_ids: list[int]) -> None:
         """Stop waiting for these requests: their replies are dropped when they come."""
         for rid in request_ids:
             self._pending.pop(rid, None)
             self._early.pop(rid, None)
+            self._local_sent.pop(rid, None)
 
     def wait(self, request_id: int) -> tuple[Header, list[zmq.Frame]]:
         """Wait for the reply to ``request_id`` and take all its frames; raises the mapped
@@ -238,7 +298,7 @@ class Connection:
         """
         early = self._early.pop(request_id, None)
         if early is not None:
-            return Reply(early[0], early[1])
+            return self._reply(request_id, early[0], early[1])
         self.open()
         deadline = time.monotonic() + self.request_timeout_s
         last_heard = time.monotonic()
@@ -267,9 +327,9 @@ class Connection:
                     continue
                 if rid == request_id:
                     self._pending.pop(request_id, None)
-                    if in_place:
-                        return Reply(header, None, self)
-                    return Reply(header, self._recv_rest())
+                    if in_place and "local" not in header:
+                        return self._reply(request_id, header, None)
+                    return self._reply(request_id, header, self._recv_rest())
                 frames = self._recv_rest()
                 if rid == ping_id:
                     ping_id = None
@@ -294,6 +354,37 @@ class Connection:
                 self._sock.send(encode({"op": Op.HELLO, "id": ping_id, "v": PROTOCOL_VERSION}))
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _reply(self, request_id: int, header: Header, frames: list[zmq.Frame] | None) -> Reply:
+        """The reply to ``request_id``; a local one reads its members from the file."""
+        sent = self._local_sent.pop(request_id, None)
+        if sent is None or not header.get("ok"):
+            return Reply(header, frames, self if frames is None else None)
+        if "local" not in header:
+            # The daemon does not offer local reads ([server] local_reads, or older).
+            self._lost(LocalUnavailable("the daemon does not offer local reads", lasting=True))
+            return Reply(header, frames, self if frames is None else None)
+
+        self._local_answered = True
+
+        def refetch() -> list[zmq.Frame]:
+            request = {k: v for k, v in sent.items() if k not in ("id", "local")}
+            return self.wait(self.send(request, local=False))[1]
+
+        return Reply(header, [], local=LocalRead(self._files, header, refetch, self._lost))
+
+    def _lost(self, exc: LocalUnavailable) -> None:
+        """Local reads will not work from this process: stop asking for them, or, where
+        they were required, say so."""
+        if self.local_reads:
+            raise LocalReadsUnavailable(
+                f"local reads were required (local_reads=True or $CACHED_LOCAL_READS=on) "
+                f"and {exc}; run the reader on the daemon's node as a member of its group "
+                "(docs/operations.md, 'Local reads'), or let it read through the socket"
+            )
+        if self._local_on:
+            log.info("reading through the socket from now on: %s", exc)
+        self._local_on = False
 
     def _recv_header(self) -> Header:
         """The next message's header frame, after discarding what a caller left unread of

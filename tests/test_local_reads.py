@@ -1,0 +1,226 @@
+"""The local data plane: readers on the daemon's node read sample bytes from the hot tier's
+files, the socket carrying only control messages; where they cannot (another mount, a
+namesake file), they read through the socket, chosen automatically.
+
+Real parts: the moto S3 server, a real daemon, real ZeroMQ, DataLoader worker processes,
+and for "a container without the mount" a client process in a mount namespace of its own
+(``unshare -m``) with a tmpfs over the hot tier's directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from cached_client import CachedDataset, FastLoader, LocalReadsUnavailable
+from cached_client.transport import Connection
+from torch.utils.data import DataLoader
+
+from tests.daemon import daemon_config, dataset_shards, thread_daemon
+from tests.s3server import S3Server
+from tests.test_daemon import upload
+from tests.test_integrity import flip
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def expected(shards: list[bytes], per: int, payload: int) -> dict[str, bytes]:
+    """Each sample's ``bin`` bytes, as ``dataset_shards`` makes them."""
+    out = {}
+    for s in range(len(shards)):
+        for i in range(per):
+            key = f"s{s:04d}-{i:05d}"
+            out[key] = (key.encode() * (payload // len(key) + 1))[:payload]
+    return out
+
+
+@pytest.fixture
+def data(s3_server: S3Server, bucket: str) -> tuple[list[str], dict[str, bytes]]:
+    shards = dataset_shards(6, 20, payload=5000)
+    return upload(s3_server, bucket, shards), expected(shards, 20, 5000)
+
+
+def test_every_sample_once_with_workers_and_no_byte_through_the_socket(
+    s3_server: S3Server, data: tuple[list[str], dict[str, bytes]], tmp_path: Path
+) -> None:
+    urls, want = data
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        for epoch in range(2):  # cold, then warm
+            ds = CachedDataset(urls, socket=d.socket, shuffle=True, seed=1)
+            ds.set_epoch(epoch)
+            got = list(DataLoader(ds, batch_size=None, num_workers=2, timeout=60))
+            assert Counter(s["__key__"] for s in got) == Counter(want.keys())
+            assert all(s["bin"] == want[s["__key__"]] for s in got)
+        served, local = d.served()
+        hot = d.daemon.hot
+        leases = d.call(lambda: len(d.daemon.server.leases._held))
+    # Every payload byte of both epochs (bin, and a cls of one digit) came from the files.
+    assert served == local == 2 * sum(len(v) + 1 for v in want.values())
+    # The readers closed what they read: no lease left behind.
+    assert leases == 0
+    # The security model: the daemon's group may read, nobody else.
+    assert hot.dir.stat().st_mode & 0o777 == 0o750
+    assert {p.stat().st_mode & 0o777 for p in hot.dir.glob("*.tar")} == {0o640}
+
+
+def test_fast_loader_reads_the_files_into_its_ring(
+    s3_server: S3Server, data: tuple[list[str], dict[str, bytes]], tmp_path: Path
+) -> None:
+    urls, want = data
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        loader = FastLoader(urls, socket=d.socket, batch_size=16, exts=["bin"])
+        seen = {}
+        for batch in loader:
+            data, offs = batch.data["bin"].numpy(), batch.offsets["bin"]
+            for i, key in enumerate(batch.keys):
+                seen[key] = data[offs[i] : offs[i + 1]].tobytes()
+        served, local = d.served()
+    assert seen == want
+    assert served == local == sum(map(len, want.values()))
+
+
+def test_bytes_stay_right_when_the_daemon_evicts_the_shard_mid_read(
+    s3_server: S3Server, data: tuple[list[str], dict[str, bytes]], tmp_path: Path
+) -> None:
+    """A local reader's file stays readable after the daemon unlinks it (a lease that
+    lapsed, a forced eviction): the open descriptor keeps the bytes."""
+    urls, want = data
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        conn = Connection(d.socket)
+        read = {"op": "read", "url": urls[0], "stream": "t", "count": 10}
+        header, frames = conn.request({**read, "start": 0})
+        assert "local" in header  # the reader has the file open now
+        path = Path(header["local"]["path"])
+        second = conn.receive(conn.send({**read, "start": 10}))  # answered, not yet taken
+        hot = d.daemon.hot
+        d.call(lambda: hot._evict(hot.get(path.stem, access=False)))
+        while path.exists() or list(hot.dir.glob("*.evicted")):  # unlinked in a thread
+            pass
+        rest = second.frames()
+        got = [bytes(f.bytes) for f in frames + rest]
+        conn.close()
+    keys = [f"s0000-{i:05d}" for i in range(20)]
+    assert got[0::2] == [want[k] for k in keys]  # bin, cls, bin, cls...
+
+
+def in_mount_namespace(
+    hot_dir: Path, socket: str, urls: list[str], mode: str, *, namesakes: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run a reader in a mount namespace where the hot tier's directory is an empty tmpfs
+    (a container without the cache mount), or holds copies of its files (``namesakes``:
+    the same names, other files). It prints the samples it read, or the error."""
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        from cached_client import CachedDataset
+        ds = CachedDataset({urls!r}, socket={socket!r}, local_reads={mode})
+        try:
+            n = sum(1 for _ in ds)
+        except Exception as exc:
+            print(json.dumps({{"error": type(exc).__name__, "message": str(exc)}}))
+        else:
+            print(json.dumps({{"samples": n}}))
+        """
+    )
+    copy = f"cp -a {hot_dir}/. /tmp/namesakes/ && " if namesakes else ""
+    back = f"cp -a /tmp/namesakes/. {hot_dir}/ && " if namesakes else ""
+    shell = (
+        f"mkdir -p /tmp/namesakes && {copy}mount -t tmpfs none {hot_dir} && {back}"
+        f"exec {sys.executable} -c {shlex.quote(script)}"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        ["unshare", "-m", "sh", "-c", shell],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+
+
+def _needs_namespaces() -> None:
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare (mount namespaces) for a reader without the mount")
+
+
+@pytest.mark.parametrize("namesakes", [False, True], ids=["no-mount", "namesake-files"])
+def test_a_reader_that_cannot_see_the_files_reads_through_the_socket(
+    s3_server: S3Server,
+    data: tuple[list[str], dict[str, bytes]],
+    tmp_path: Path,
+    namesakes: bool,
+) -> None:
+    _needs_namespaces()
+    urls, want = data
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        if namesakes:
+            assert sum(1 for _ in CachedDataset(urls, socket=d.socket)) == len(want)
+        before = d.served()
+        done = in_mount_namespace(d.daemon.hot.dir, d.socket, urls, "None", namesakes=namesakes)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout.splitlines()[-1]) == {"samples": len(want)}
+        served, local = d.served()
+        # Auto: every byte it used came through the socket. (Its first reads were answered
+        # as local ones, which it could not use and asked again through the socket.)
+        assert (served - before[0]) - (local - before[1]) == sum(len(v) + 1 for v in want.values())
+        # Nor did the local replies it could not use leave their leases (pins) behind.
+        assert d.call(lambda: len(d.daemon.server.leases._held)) == 0
+        # Required: it says why and what to do.
+        forced = in_mount_namespace(d.daemon.hot.dir, d.socket, urls, "True", namesakes=namesakes)
+    out = json.loads(forced.stdout.splitlines()[-1])
+    assert out["error"] == "LocalReadsUnavailable", forced.stderr
+    why = "is not the daemon's file" if namesakes else "cannot open"
+    assert why in out["message"] and "daemon's node" in out["message"]
+
+
+def test_local_reads_off_at_the_daemon_or_the_client(
+    s3_server: S3Server, data: tuple[list[str], dict[str, bytes]], tmp_path: Path
+) -> None:
+    urls, want = data
+    cfg = daemon_config(tmp_path / "off", s3_server.endpoint_url, **{"server.local_reads": False})
+    with thread_daemon(cfg) as d:
+        assert sum(1 for _ in CachedDataset(urls, socket=d.socket)) == len(want)
+        served, local = d.served()
+        assert served > 0 and local == 0
+        with pytest.raises(LocalReadsUnavailable, match="does not offer local reads"):
+            next(iter(CachedDataset(urls, socket=d.socket, local_reads=True)))
+    with thread_daemon(daemon_config(tmp_path / "on", s3_server.endpoint_url)) as d:
+        ds = CachedDataset(urls, socket=d.socket, local_reads=False)
+        assert sum(1 for _ in ds) == len(want)
+        assert d.served()[1] == 0
+
+
+def test_a_bad_setting_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHED_LOCAL_READS", "sometimes")
+    with pytest.raises(ValueError, match="CACHED_LOCAL_READS must be auto, on or off"):
+        CachedDataset(["s3://b/a.tar"])
+    monkeypatch.setenv("CACHED_LOCAL_READS", "off")
+    assert CachedDataset(["s3://b/a.tar"]).local_reads is False
+
+
+def test_a_rotten_byte_is_caught_by_the_reader_and_healed_through_the_socket(
+    s3_server: S3Server, data: tuple[list[str], dict[str, bytes]], tmp_path: Path
+) -> None:
+    """The disk flips a byte of a resident shard. A local reader checks each member
+    against the daemon's checksum, asks for that read through the socket, where the
+    daemon finds the rot, drops the copy and fetches a good one: the bytes are right."""
+    urls, want = data
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        assert sum(1 for _ in CachedDataset(urls[:1], socket=d.socket)) == 20
+        hot = d.daemon.hot
+        shard = d.call(lambda: next(iter(hot.resident())))
+        member = shard.index.samples[3].members[0]
+        flip(hot.path(shard), member.offset + 10)
+        got = {s["__key__"]: s["bin"] for s in CachedDataset(urls[:1], socket=d.socket)}
+        corrupt = d.call(lambda: d.daemon.status()["counters"]["corrupt_shards"])
+    assert got == {k: v for k, v in want.items() if k.startswith("s0000-")}
+    assert corrupt == 1
