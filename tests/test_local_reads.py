@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from cached_client import CachedDataset, FastLoader, LocalReadsUnavailable
+from cached_client.reader import read_shard
 from cached_client.transport import Connection
 from torch.utils.data import DataLoader
 
@@ -224,3 +225,22 @@ def test_a_rotten_byte_is_caught_by_the_reader_and_healed_through_the_socket(
         corrupt = d.call(lambda: d.daemon.status()["counters"]["corrupt_shards"])
     assert got == {k: v for k, v in want.items() if k.startswith("s0000-")}
     assert corrupt == 1
+
+
+def test_members_taken_after_their_file_was_closed_are_still_right(
+    s3_server: S3Server, data: tuple[list[str], dict[str, bytes]], tmp_path: Path
+) -> None:
+    """Local frames read their bytes when asked: one asked after the reader closed the
+    shard's file (a caller that keeps raw samples) opens it again by path and identity,
+    never reads a descriptor number that another file took since."""
+    urls, want = data
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        conn = Connection(d.socket)
+        raws = list(read_shard(conn, urls[0], "keep"))  # the span is done: file closed
+        other = os.open(os.devnull, os.O_RDONLY)  # likely takes the freed number
+        try:
+            got = {key: bytes(members[0][1].bytes) for key, members in raws}
+        finally:
+            os.close(other)
+        conn.close()
+    assert got == {k: v for k, v in want.items() if k.startswith("s0000-")}

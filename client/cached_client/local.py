@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,11 +81,11 @@ class LocalFiles:
         self._open: OrderedDict[str, _Open] = OrderedDict()
 
     def payload(self, header: Header) -> LocalPayload:
-        """The payload of a local read reply. Raises :class:`LocalUnavailable`."""
+        """The members of a local read reply, in the shard file. Raises
+        :class:`~cached_client.errors.ProtocolError` for a reply without its file."""
         where = header.get("local")
         if not isinstance(where, dict) or not isinstance(where.get("path"), str):
             raise ProtocolError("a local reply without its file's path")
-        fd = self._fd(where, str(header.get("url", "")))
         algorithm = where.get("algorithm")
         digest = _DIGESTS.get(algorithm) if isinstance(algorithm, str) else None
         spans: list[tuple[int, int, int | None]] = []
@@ -93,9 +93,11 @@ class LocalFiles:
             for member in members:
                 _ext, size, offset, checksum = member
                 spans.append((int(offset), int(size), checksum if digest else None))
-        return LocalPayload(fd, where["path"], spans, digest)
+        return LocalPayload(self, where, str(header.get("url", "")), spans, digest)
 
-    def _fd(self, where: dict[str, Any], url: str) -> int:
+    def fd(self, where: dict[str, Any], url: str) -> int:
+        """The open file the reply ``where`` names (opened, and checked, once). Raises
+        :class:`LocalUnavailable`."""
         path = where["path"]
         identity = (where.get("ino"), where.get("size"), where.get("mtime_ns"))
         held = self._open.pop(path, None)
@@ -132,115 +134,131 @@ class LocalFiles:
             os.close(self._open.popitem()[1].fd)
 
 
+class LocalPayload:
+    """The members of one local reply, by index, in the shard file. Each read looks the
+    file up by path and identity: a member read after the shard's file was closed opens
+    it again (or fails over to the socket), never a descriptor number reused since."""
+
+    def __init__(
+        self,
+        files: LocalFiles,
+        where: dict[str, Any],
+        url: str,
+        spans: Sequence[tuple[int, int, int | None]],
+        digest: Any,
+    ) -> None:
+        self._files = files
+        self._where = where
+        self._url = url
+        self.spans = spans
+        self._digest = digest
+
+    def _span(self, i: int) -> tuple[int, int, int | None]:
+        if i >= len(self.spans):
+            raise ProtocolError("the reply has fewer members than it announced")
+        return self.spans[i]
+
+    def _check(self, data: Any, offset: int, checksum: int | None) -> None:
+        if checksum is not None and self._digest(data) != checksum:
+            raise LocalUnavailable(
+                f"{self._where['path']}: the member at byte {offset} fails its checksum",
+                lasting=False,
+            )
+
+    def read_into(self, i: int, buffer: Any) -> int:
+        """Read member ``i`` into ``buffer`` (at least its size); returns its size."""
+        offset, size, checksum = self._span(i)
+        view = memoryview(buffer).cast("B")
+        if size > len(view):
+            return size  # as a frame too large is not copied: the caller sees the size
+        target = view[:size]
+        fd = self._files.fd(self._where, self._url)
+        if os.preadv(fd, [target], offset) != size:
+            raise LocalUnavailable(f"{self._where['path']}: short read at {offset}", lasting=False)
+        self._check(target, offset, checksum)
+        return size
+
+    def read(self, i: int) -> bytes:
+        """Member ``i`` as new ``bytes``."""
+        offset, size, checksum = self._span(i)
+        data = os.pread(self._files.fd(self._where, self._url), size, offset)
+        if len(data) != size:
+            raise LocalUnavailable(f"{self._where['path']}: short read at {offset}", lasting=False)
+        self._check(data, offset, checksum)
+        return data
+
+
 class LocalFrame:
-    """A member's bytes read from the shard file, shaped like the ``zmq.Frame`` that the
-    socket path gives (``.bytes``, ``.buffer``)."""
+    """Member ``i`` of a local reply, shaped like the ``zmq.Frame`` that the socket path
+    gives (``.bytes``, ``.buffer``); read from the file when asked for, so a reply of a
+    whole shard is never in memory at once."""
 
-    __slots__ = ("bytes",)
+    __slots__ = ("_i", "_read")
 
-    def __init__(self, data: bytes) -> None:
-        self.bytes = data
+    def __init__(self, read: LocalRead, i: int) -> None:
+        self._read = read
+        self._i = i
+
+    @property
+    def bytes(self) -> bytes:
+        return self._read.member(self._i)
 
     @property
     def buffer(self) -> memoryview:
         return memoryview(self.bytes)
 
-    def __len__(self) -> int:
-        return len(self.bytes)
-
-
-class LocalPayload:
-    """The members of one local reply, taken in order, each once."""
-
-    def __init__(
-        self,
-        fd: int,
-        path: str,
-        spans: Sequence[tuple[int, int, int | None]],
-        digest: Any,
-    ) -> None:
-        self._fd = fd
-        self._path = path
-        self._spans: Iterator[tuple[int, int, int | None]] = iter(spans)
-        self._digest = digest
-
-    def _next(self) -> tuple[int, int, int | None]:
-        span = next(self._spans, None)
-        if span is None:
-            raise ProtocolError("the reply has fewer members than it announced")
-        return span
-
-    def _check(self, data: Any, offset: int, checksum: int | None) -> None:
-        if checksum is not None and self._digest(data) != checksum:
-            raise LocalUnavailable(
-                f"{self._path}: the member at byte {offset} fails its checksum", lasting=False
-            )
-
-    def read_into(self, buffer: Any) -> int:
-        """Read the next member into ``buffer`` (at least its size); returns its size."""
-        offset, size, checksum = self._next()
-        view = memoryview(buffer).cast("B")
-        if size > len(view):
-            return size  # as a frame too large is not copied: the caller sees the size
-        target = view[:size]
-        got = os.preadv(self._fd, [target], offset)
-        if got != size:
-            raise LocalUnavailable(f"{self._path}: short read at byte {offset}", lasting=False)
-        self._check(target, offset, checksum)
-        return size
-
-    def frames(self) -> list[LocalFrame]:
-        """Every member not yet taken, as new ``bytes`` each."""
-        out = []
-        for offset, size, checksum in self._spans:
-            data = os.pread(self._fd, size, offset)
-            if len(data) != size:
-                raise LocalUnavailable(f"{self._path}: short read at byte {offset}", lasting=False)
-            self._check(data, offset, checksum)
-            out.append(LocalFrame(data))
-        return out
-
 
 class LocalRead:
-    """One local reply's members, taken in order, each once: from the shard file, or,
-    when that fails part-way (a file gone, a checksum that fails), from the same read
-    asked again through the socket (``refetch``), past the members already taken.
+    """One local reply's members: from the shard file, or, once that fails (a file gone,
+    a checksum that fails), from the same read asked again through the socket
+    (``refetch``, once).
 
     ``lost(exc)`` is told of a failure that will last (see :class:`LocalUnavailable`);
     it may raise, to refuse the socket (local reads required)."""
 
-    def __init__(
-        self,
-        files: LocalFiles,
-        header: Header,
-        refetch: Any,
-        lost: Any,
-    ) -> None:
+    def __init__(self, files: LocalFiles, header: Header, refetch: Any, lost: Any) -> None:
         self._files = files
         self._header = header
         self._refetch = refetch
         self._lost = lost
         self._payload: LocalPayload | None = None
-        self._taken = 0
-        self.rest: list[Any] | None = None  # the socket's frames, once it fell back
+        self._taken = 0  # members taken in order (read_into, frames)
+        self._socket: list[Any] | None = None  # the reply's frames, once it fell back
 
-    def _fall_back(self, exc: LocalUnavailable) -> None:
-        log.info("%s; this read goes through the socket", exc)
-        if exc.lasting:
-            self._lost(exc)
-        self.rest = list(self._refetch())[self._taken :]
+    def _fall_back(self, exc: LocalUnavailable) -> list[Any]:
+        if self._socket is None:
+            log.info("%s; this read goes through the socket", exc)
+            if exc.lasting:
+                self._lost(exc)
+            self._socket = list(self._refetch())
+        return self._socket
 
     def _source(self) -> LocalPayload:
         if self._payload is None:
             self._payload = self._files.payload(self._header)
         return self._payload
 
+    @property
+    def rest(self) -> list[Any]:
+        """The socket's frames past those taken (once it fell back)."""
+        return (self._socket or [])[self._taken :]
+
+    def member(self, i: int) -> bytes:
+        """Member ``i``'s bytes."""
+        if self._socket is None:
+            try:
+                return self._source().read(i)
+            except LocalUnavailable as exc:
+                self._fall_back(exc)
+        assert self._socket is not None
+        return bytes(self._socket[i].bytes)
+
     def read_into(self, buffer: Any) -> int | None:
         """The next member into ``buffer``; None once it fell back (take :attr:`rest`)."""
-        if self.rest is not None:
+        if self._socket is not None:
             return None
         try:
-            n = self._source().read_into(buffer)
+            n = self._source().read_into(self._taken, buffer)
         except LocalUnavailable as exc:
             self._fall_back(exc)
             return None
@@ -248,15 +266,10 @@ class LocalRead:
         return n
 
     def frames(self) -> list[Any]:
-        """Every member not yet taken."""
-        if self.rest is None:
-            try:
-                frames = self._source().frames()
-            except LocalUnavailable as exc:
-                self._fall_back(exc)
-            else:
-                self._taken += len(frames)
-                return frames
-        assert self.rest is not None
-        rest, self.rest = self.rest, []
-        return rest
+        """Every member not yet taken, read when each is asked for its bytes."""
+        if self._socket is not None:
+            rest = self.rest
+            self._taken += len(rest)
+            return rest
+        first, self._taken = self._taken, len(self._source().spans)
+        return [LocalFrame(self, i) for i in range(first, self._taken)]

@@ -17,6 +17,10 @@ from .transport import Connection
 # One read request asks for about this many payload bytes: large enough to amortize the
 # round trip, small enough that a few in flight stay a bounded amount of memory.
 TARGET_REQUEST_BYTES = 4 << 20
+# A local read's reply carries no payload, so it may cover more: fewer requests for the
+# daemon to answer (its CPU per GB), and no more than this through the socket should the
+# reader have to ask for it there again (docs/decisions.md, D25).
+LOCAL_TARGET_REQUEST_BYTES = 64 << 20
 MAX_REQUEST_SAMPLES = 4096
 # At most this many shards opened (fetched, not pinned) ahead of the ones being read.
 MAX_OPEN_AHEAD = 8
@@ -123,10 +127,12 @@ def _reads(
     *,
     exts: Sequence[str] | None,
     plan: str | None,
+    local: bool = False,
 ) -> list[Read]:
     n = int(opened["samples"])
     avg = max(1, int(opened["payload"]) // max(1, n))
-    per = max(1, min(MAX_REQUEST_SAMPLES, TARGET_REQUEST_BYTES // avg))
+    target = LOCAL_TARGET_REQUEST_BYTES if local else TARGET_REQUEST_BYTES
+    per = max(1, min(MAX_REQUEST_SAMPLES, target // avg))
     headers: list[Header] = []
     for lo, hi in _runs(span, n):
         for start in range(lo, hi, per):
@@ -218,7 +224,9 @@ def pipelined_reads(
                     pos, span, rid, _ = opens.popleft()
                     _next_is_demand(conn, opens, stream)
                     header, _ = conn.wait(rid)
-                    more = _reads(span, pos, header, stream, exts=exts, plan=plan)
+                    more = _reads(
+                        span, pos, header, stream, exts=exts, plan=plan, local=conn.asks_local
+                    )
                     reads.extend(more)
                     if more:
                         held.add(span.url)
@@ -232,7 +240,7 @@ def pipelined_reads(
                 held.discard(read.url)
                 # The daemon releases a pin at the shard's end, except a local reader's:
                 # that holds the file open until here, and must close it first.
-                if read.partial or conn.reads_locally:
+                if read.partial or conn.holds_local_leases:
                     done(conn, read.url, stream)
     finally:
         conn.forget([rid for rid, _ in pending] + [rid for _, _, rid, _ in opens])

@@ -101,7 +101,7 @@ class Reply:
             return None
         got = local.read_into(buffer)
         if got is None:
-            self._held, self._local = iter(local.rest or []), None
+            self._held, self._local = iter(local.rest), None
         return got
 
     def _live_socket(self) -> zmq.Socket[bytes]:
@@ -250,7 +250,13 @@ class Connection:
         return request_id
 
     @property
-    def reads_locally(self) -> bool:
+    def asks_local(self) -> bool:
+        """Whether reads still ask for local replies (they then ask for whole spans: a
+        local reply carries no payload, so its size needs no bound)."""
+        return self._local_on
+
+    @property
+    def holds_local_leases(self) -> bool:
         """Whether the daemon has answered a read locally on this connection: then it
         keeps the stream's leases until ``close`` (see :meth:`done_with`), also after the
         connection went back to the socket."""
