@@ -198,6 +198,17 @@ def test_local_reads_off_at_the_daemon_or_the_client(
         ds = CachedDataset(urls, socket=d.socket, local_reads=False)
         assert sum(1 for _ in ds) == len(want)
         assert d.served()[1] == 0
+    # Turned on over a hot tier written while they were off: the reloaded shards are
+    # opened to the group too, and read locally at once.
+    off_dir = tmp_path / "off" / "hot"
+    for tar in off_dir.glob("*.tar"):
+        tar.chmod(0o600)  # as a daemon with UMask=0077 leaves them
+    cfg = daemon_config(tmp_path / "off", s3_server.endpoint_url)
+    with thread_daemon(cfg) as d:
+        assert {p.stat().st_mode & 0o777 for p in off_dir.glob("*.tar")} == {0o640}
+        assert sum(1 for _ in CachedDataset(urls, socket=d.socket)) == len(want)
+        served, local = d.served()
+        assert served == local > 0
 
 
 def test_a_bad_setting_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -217,6 +217,8 @@ class HotTier:
                 idx_path.unlink(missing_ok=True)
                 tar.unlink(missing_ok=True)
                 continue
+            if self.shared and st.st_mode & 0o777 != SHARED_FILE_MODE:
+                tar.chmod(SHARED_FILE_MODE)  # written while local reads were off
             size = car.index.size_bytes + idx_path.stat().st_size
             shard = Shard(
                 shard_id,
