@@ -64,6 +64,7 @@ bench: $(STAMP)
 	$(PY) bench/loop_stall.py
 	$(PY) bench/verify.py
 	$(PY) bench/fetch_cpu.py
+	$(PY) bench/seed.py --repeats 3 --torch-threads 1
 
 bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/serve.py --small
@@ -75,6 +76,7 @@ bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/verify.py --small
 	$(PY) bench/fetch_cpu.py --small
 	$(PY) bench/soak.py --small
+	$(PY) bench/seed.py --small
 	$(PEERS_PY) bench/peers.py --small
 
 # The peers side by side (docs/benchmarks.md, "Peers side by side"): webdataset, Mosaic

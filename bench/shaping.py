@@ -50,6 +50,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script: python bench/shaping.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common
+
 # Short names: Linux interface names are at most 15 characters ("cbh" + a pid fits).
 _NS_PREFIX = "cbench-"
 _HOST_IF = "cbh"
@@ -709,13 +714,6 @@ class DelayingProxy:
             tg.create_task(send())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @contextlib.contextmanager
 def _proxy_s3(
     rate_mbit: float,
@@ -723,7 +721,7 @@ def _proxy_s3(
     probe_bytes: int,
     server_log: Path | None,
 ) -> Iterator[ShapedS3]:
-    port = _free_port()
+    port = common.free_tcp_port()
     proc = _start_moto((), "127.0.0.1", port, server_log)
     proxy: RateLimitedProxy | None = None
     try:
@@ -793,6 +791,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         time.sleep(args.hold)
     return 0
+
+
+@contextlib.contextmanager
+def moto_server(log_path: Path) -> Iterator[str]:
+    """moto's S3 server as its own process on 127.0.0.1 (its request handling must not
+    compete with the training loop for this process's GIL); stopped on exit, also after an
+    error. Yields its endpoint URL."""
+    port = common.free_tcp_port()
+    proc = _start_moto((), "127.0.0.1", port, log_path)
+    try:
+        _wait_listening(proc, "127.0.0.1", port, 60.0)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        _stop(proc)
 
 
 if __name__ == "__main__":
