@@ -18,6 +18,10 @@ shards of 1 KB samples, capped at 32,768 samples), one run measures samples/s an
                         place into reusable host buffers (host mode: pinned only with
                         ``pin_memory=True``), batches of B.
 
+(c) and (d) run twice: "(local)", the readers reading the hot tier's files themselves (local
+reads, the default on the daemon's node), and "(socket)", every byte through the daemon
+(``local_reads=False``). Each prints the daemon's CPU seconds per GB served.
+
 The files are read once before timing (page cache). Every configuration runs one untimed
 warm-up pass (worker start-up, connections), then ``--repeats`` timed full passes,
 interleaved round-robin over the configurations; the table shows the median. Ratios are
