@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 # Environment variable that forces the choice for every loader of a process: "auto"
 # (the default), "on" (local or fail), "off" (always through the socket).
 ENV = "CACHED_LOCAL_READS"
+_MODES: dict[str, bool | None] = {
+    **dict.fromkeys(("auto", ""), None),
+    **dict.fromkeys(("on", "1", "true", "yes"), True),
+    **dict.fromkeys(("off", "0", "false", "no"), False),
+}
 # Shard files kept open at once per connection: the shards being read, with room to spare.
 MAX_OPEN_FILES = 32
 
@@ -59,12 +64,9 @@ def choose(local_reads: bool | None) -> bool | None:
     if local_reads is not None:
         return bool(local_reads)
     value = os.environ.get(ENV, "auto").strip().lower()
-    modes: dict[str, bool | None] = {"auto": None, "": None, "on": True, "off": False}
-    modes.update({"1": True, "true": True, "yes": True, "0": False, "false": False})
-    modes.update({"no": False})
-    if value not in modes:
+    if value not in _MODES:
         raise UsageError(f"${ENV} must be auto, on or off, not {value!r}")
-    return modes[value]
+    return _MODES[value]
 
 
 @dataclass(frozen=True)

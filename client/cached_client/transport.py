@@ -364,11 +364,11 @@ class Connection:
     def _reply(self, request_id: int, header: Header, frames: list[zmq.Frame] | None) -> Reply:
         """The reply to ``request_id``; a local one reads its members from the file."""
         sent = self._local_sent.pop(request_id, None)
-        if sent is None or not header.get("ok"):
-            return Reply(header, frames, self if frames is None else None)
-        if "local" not in header:
-            # The daemon does not offer local reads ([server] local_reads, or older).
-            self._lost(LocalUnavailable("the daemon does not offer local reads", lasting=True))
+        if sent is None or not header.get("ok") or "local" not in header:
+            if sent is not None and header.get("ok"):
+                # The daemon does not offer local reads ([server] local_reads, or older).
+                self._lost(LocalUnavailable("the daemon does not offer local reads", lasting=True))
+            # Frames left on the socket (in place) are read through the connection.
             return Reply(header, frames, self if frames is None else None)
 
         self._local_answered = True
