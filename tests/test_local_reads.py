@@ -11,20 +11,25 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shlex
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cached_client import CachedDataset, FastLoader, LocalReadsUnavailable
+from cached_client.local import MAX_GAP
 from cached_client.reader import read_shard
 from cached_client.transport import Connection
 from torch.utils.data import DataLoader
 
+from cached.local import make_tar
 from tests.daemon import daemon_config, dataset_shards, thread_daemon
 from tests.s3server import S3Server
 from tests.test_daemon import upload
@@ -86,6 +91,70 @@ def test_fast_loader_reads_the_files_into_its_ring(
         served, local = d.served()
     assert seen == want
     assert served == local == sum(map(len, want.values()))
+
+
+def test_fast_loader_reads_runs_of_members_in_one_call_and_skips_what_it_was_not_asked(
+    s3_server: S3Server, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FastLoader reads the members of a run of samples with one ``preadv`` (the tar
+    headers between them into scratch space), splits a run at a member it did not ask for
+    that is larger than the gap a read may span, and every byte lands where it belongs:
+    members of uneven sizes, one empty, batches that end mid-shard."""
+    rng = random.Random(7)
+    want: dict[str, tuple[bytes, bytes]] = {}
+    shards = []
+    for s in range(3):
+        samples = []
+        for i in range(30):
+            key = f"k{s}-{i:03d}"
+            a = rng.randbytes(rng.choice([0, 1, 511, 512, 513, rng.randrange(1, 9000)]))
+            c = str(i).encode()
+            big = rng.randbytes(MAX_GAP + 1000) if i % 7 == 3 else b"b"
+            samples.append((key, {"a": a, "big": big, "c": c}))
+            want[key] = (a, c)
+        shards.append(make_tar(samples))
+    urls = upload(s3_server, bucket, shards)
+    calls = []
+    real = os.preadv
+
+    def counted(fd: int, buffers: Any, offset: int) -> int:
+        calls.append(len(buffers))
+        return real(fd, buffers, offset)
+
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        loader = FastLoader(urls, socket=d.socket, batch_size=16, exts=["a", "c"])
+        loader.lengths()  # the shards resident, so every read below is local
+        monkeypatch.setattr(os, "preadv", counted)
+        seen = {}
+        for batch in loader:
+            a, c = batch.data["a"].numpy(), batch.data["c"].numpy()
+            oa, oc = batch.offsets["a"], batch.offsets["c"]
+            for i, key in enumerate(batch.keys):
+                seen[key] = (a[oa[i] : oa[i + 1]].tobytes(), c[oc[i] : oc[i + 1]].tobytes())
+        monkeypatch.undo()
+        served, local = d.served()
+    assert seen == want
+    assert served == local
+    # 180 members asked for; split at each big member skipped (13) and at batch ends.
+    assert len(calls) < 180 // 4
+
+
+def test_a_reply_that_arrived_is_seen_without_waiting_for_it(
+    s3_server: S3Server, data: tuple[list[str], dict[str, bytes]], tmp_path: Path
+) -> None:
+    """``has_reply`` takes the replies already on the socket off it: a reader's pipeline
+    sends its next read as soon as that shard's open is answered, not a round trip later."""
+    urls, _ = data
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        conn = Connection(d.socket)
+        rid = conn.send({"op": "open", "url": urls[0], "stream": "t", "pin": False})
+        deadline = time.monotonic() + 30
+        while not conn.has_reply(rid):
+            assert time.monotonic() < deadline, "the open's reply was never seen"
+            time.sleep(0.01)
+        header, _ = conn.wait(rid)
+        conn.close()
+    assert header["samples"] == 20
 
 
 def test_bytes_stay_right_when_the_daemon_evicts_the_shard_mid_read(
@@ -219,12 +288,25 @@ def test_a_bad_setting_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None
     assert CachedDataset(["s3://b/a.tar"]).local_reads is False
 
 
+def _bins(loader: str, urls: list[str], socket: str) -> dict[str, bytes]:
+    """Every sample's ``bin`` member, read by a CachedDataset or a FastLoader."""
+    if loader == "dataset":
+        return {s["__key__"]: s["bin"] for s in CachedDataset(urls, socket=socket)}
+    got = {}
+    for batch in FastLoader(urls, socket=socket, batch_size=8, exts=["bin"]):
+        data, offs = batch.data["bin"].numpy(), batch.offsets["bin"]
+        got.update((k, data[offs[i] : offs[i + 1]].tobytes()) for i, k in enumerate(batch.keys))
+    return got
+
+
+@pytest.mark.parametrize("loader", ["dataset", "fast"])
 def test_a_rotten_byte_is_caught_by_the_reader_and_healed_through_the_socket(
-    s3_server: S3Server, data: tuple[list[str], dict[str, bytes]], tmp_path: Path
+    s3_server: S3Server, data: tuple[list[str], dict[str, bytes]], tmp_path: Path, loader: str
 ) -> None:
     """The disk flips a byte of a resident shard. A local reader checks each member
-    against the daemon's checksum, asks for that read through the socket, where the
-    daemon finds the rot, drops the copy and fetches a good one: the bytes are right."""
+    against the daemon's checksum (FastLoader: after reading a run of them at once), asks
+    for that read through the socket, where the daemon finds the rot, drops the copy and
+    fetches a good one: the bytes are right."""
     urls, want = data
     with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
         assert sum(1 for _ in CachedDataset(urls[:1], socket=d.socket)) == 20
@@ -232,7 +314,7 @@ def test_a_rotten_byte_is_caught_by_the_reader_and_healed_through_the_socket(
         shard = d.call(lambda: next(iter(hot.resident())))
         member = shard.index.samples[3].members[0]
         flip(hot.path(shard), member.offset + 10)
-        got = {s["__key__"]: s["bin"] for s in CachedDataset(urls[:1], socket=d.socket)}
+        got = _bins(loader, urls[:1], d.socket)
         corrupt = d.call(lambda: d.daemon.status()["counters"]["corrupt_shards"])
     assert got == {k: v for k, v in want.items() if k.startswith("s0000-")}
     assert corrupt == 1

@@ -266,9 +266,13 @@ class FastLoader:
                 part = owners[read.pos]
                 first = int(reply.header["start"]) - parts[part].start
                 samples = reply.header["samples"]
-                for i, (key, members) in enumerate(samples):
-                    filling.add(key, members, reply)
-                    filling.last = ((part, first + i), read.last and i == len(samples) - 1)
+                done = 0
+                while done < len(samples):
+                    # As many of the reply's samples as the batch has room for, at once.
+                    take = samples[done : done + self.batch_size - len(filling.keys)]
+                    filling.receive(take, reply)
+                    done += len(take)
+                    filling.last = ((part, first + done - 1), read.last and done == len(samples))
                     if len(filling.keys) == self.batch_size:
                         position.took(*filling.last)  # before the batch is in the user's hands
                         yield from self._hand_out(filling.batch(), guard_host_copies)
@@ -300,24 +304,38 @@ class _Filling:
         # The batch's last sample, and whether it ended its part: the position after it.
         self.last: tuple[Ref, bool] = ((0, 0), False)
 
-    def add(self, key: str, members: list[list[Any]], reply: Reply) -> None:
-        """Receive one sample's members (the reply's next frames) into the slot; each is
-        ``[ext, size, ...]`` (a local reply adds the offset and checksum)."""
-        n = len(self.keys)
-        for ext, size, *_ in members:
-            at = self.used.get(ext, 0)
-            try:
-                got = reply.read_into(self.slot.region(ext, at, size))
-            except ProtocolError as exc:
-                raise ProtocolError(f"{key}.{ext}: {exc}") from None
-            if got != size:
-                raise ProtocolError(f"{key}.{ext}: a frame of {got} bytes, announced {size}")
-            self.used[ext] = at + size
-            self.offsets.setdefault(ext, [0] * (n + 1)).append(at + size)
-        self.keys.append(key)
-        for offs in self.offsets.values():
-            if len(offs) < n + 2:  # this sample has no such member
-                offs.append(offs[-1])
+    def receive(self, samples: Sequence[tuple[str, list[list[Any]]]], reply: Reply) -> None:
+        """Receive ``samples`` (the reply's next ones, ``[key, members]``; each member
+        ``[ext, size, ...]``, a local reply adds the offset and checksum) into the slot.
+
+        Their places are laid out first and the buffers grown once, so that every
+        member is received in one call (:meth:`Reply.read_many`: from a local reply, one
+        read per run of the file, not one per member)."""
+        places: list[tuple[str, str, int, int]] = []
+        used, offsets, keys = self.used, self.offsets, self.keys
+        for key, members in samples:
+            n = len(keys)
+            for ext, size, *_ in members:
+                at = used.get(ext, 0)
+                places.append((key, ext, at, size))
+                used[ext] = at + size
+                offsets.setdefault(ext, [0] * (n + 1)).append(at + size)
+            keys.append(key)
+            for offs in offsets.values():
+                if len(offs) < n + 2:  # this sample has no such member
+                    offs.append(offs[-1])
+        for ext, end in used.items():
+            self.slot.region(ext, 0, end)  # grown first: the views below stay valid
+        whole = self.slot.views
+        views = [whole[ext][at : at + size] for _, ext, at, size in places]
+        got = reply.read_many(views)
+        for (key, ext, _, size), n in zip(places, got, strict=False):
+            if n != size:
+                raise ProtocolError(f"{key}.{ext}: a frame of {n} bytes, announced {size}")
+        if len(got) < len(places):
+            key, ext, _, _ = places[len(got)]
+            why = "the reply has fewer payload frames than it announced"
+            raise ProtocolError(f"{key}.{ext}: {why}")
 
     def batch(self) -> Batch:
         data = {ext: self.slot.buffers[ext][:n] for ext, n in self.used.items()}

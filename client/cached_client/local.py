@@ -45,6 +45,12 @@ _MODES: dict[str, bool | None] = {
 }
 # Shard files kept open at once per connection: the shards being read, with room to spare.
 MAX_OPEN_FILES = 32
+# Bytes between two members that one read still spans (tar headers and padding, members not
+# asked for) rather than being split in two system calls: reading a gap is cheaper than a
+# call, up to about this size.
+MAX_GAP = 64 << 10
+# iovecs per preadv (the kernel's IOV_MAX; 1024 on Linux).
+_IOV_MAX = int(os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 
 
 class LocalUnavailable(Exception):
@@ -81,6 +87,16 @@ class LocalFiles:
 
     def __init__(self) -> None:
         self._open: OrderedDict[str, _Open] = OrderedDict()
+        # Where the bytes between members go (see LocalPayload.read_many): never looked at.
+        self._scratch = memoryview(bytearray(MAX_GAP))
+        self._gaps: dict[int, memoryview] = {}  # its slices by size (tar headers: a few)
+
+    def gap(self, n: int) -> memoryview:
+        """``n`` bytes of scratch space, ``n`` at most :data:`MAX_GAP`."""
+        view = self._gaps.get(n)
+        if view is None:
+            view = self._gaps[n] = self._scratch[:n]
+        return view
 
     def payload(self, header: Header) -> LocalPayload:
         """The members of a local read reply, in the shard file. Raises
@@ -167,18 +183,51 @@ class LocalPayload:
                 lasting=False,
             )
 
-    def read_into(self, i: int, buffer: Any) -> int:
-        """Read member ``i`` into ``buffer`` (at least its size); returns its size."""
-        offset, size, checksum = self._span(i)
-        view = memoryview(buffer).cast("B")
-        if size > len(view):
-            return size  # as a frame too large is not copied: the caller sees the size
-        target = view[:size]
+    def read_many(self, first: int, buffers: Sequence[Any]) -> list[int]:
+        """Read members ``first, first + 1, ...`` into ``buffers`` (byte buffers, one each,
+        at least its member's size), then check them; returns their sizes, fewer than
+        ``buffers`` where the reply has no more members (a member larger than its buffer is
+        not read: the caller sees the size).
+
+        Members close together in the file (a sample's members, consecutive samples)
+        are read by one ``preadv``: the members into their buffers, the tar headers and
+        members not asked for between them into a scratch buffer. One system call and
+        one Python round per run, not per member (docs/decisions.md, D26)."""
+        spans = self.spans[first : first + len(buffers)]
         fd = self._files.fd(self._where, self._url)
-        if os.preadv(fd, [target], offset) != size:
-            raise LocalUnavailable(f"{self._where['path']}: short read at {offset}", lasting=False)
-        self._check(target, offset, checksum)
-        return size
+        gap_of = self._files.gap
+        sizes: list[int] = []
+        checks: list[tuple[Any, int, int]] = []
+        run: list[Any] = []
+        start = end = 0
+        for (offset, size, checksum), buffer in zip(spans, buffers, strict=False):
+            sizes.append(size)
+            room = len(buffer)
+            if size > room:
+                continue
+            target = buffer if room == size else buffer[:size]
+            gap = offset - end
+            if run and not (0 <= gap <= MAX_GAP and len(run) < _IOV_MAX - 1):
+                self._preadv(fd, run, start, end)
+                run = []
+            if not run:
+                start = offset
+            elif gap:
+                run.append(gap_of(gap))
+            run.append(target)
+            end = offset + size
+            if checksum is not None:
+                checks.append((target, offset, checksum))
+        if run:
+            self._preadv(fd, run, start, end)
+        check = self._check
+        for target, offset, checksum in checks:
+            check(target, offset, checksum)
+        return sizes
+
+    def _preadv(self, fd: int, run: list[Any], start: int, end: int) -> None:
+        if os.preadv(fd, run, start) != end - start:
+            raise LocalUnavailable(f"{self._where['path']}: short read at {start}", lasting=False)
 
     def read(self, i: int) -> bytes:
         """Member ``i`` as new ``bytes``."""
@@ -188,6 +237,16 @@ class LocalPayload:
             raise LocalUnavailable(f"{self._where['path']}: short read at {offset}", lasting=False)
         self._check(data, offset, checksum)
         return data
+
+
+def copy_frame(frame: Any, buffer: Any) -> int:
+    """Copy a received frame into ``buffer``; returns the frame's size (a frame larger than
+    the buffer is not copied: the caller sees the size)."""
+    src, dst = memoryview(frame.buffer).cast("B"), memoryview(buffer).cast("B")
+    n = len(src)
+    if n <= len(dst):
+        dst[:n] = src
+    return n
 
 
 class LocalFrame:
@@ -240,11 +299,6 @@ class LocalRead:
             self._payload = self._files.payload(self._header)
         return self._payload
 
-    @property
-    def rest(self) -> list[Any]:
-        """The socket's frames past those taken (once it fell back)."""
-        return (self._socket or [])[self._taken :]
-
     def member(self, i: int) -> bytes:
         """Member ``i``'s bytes."""
         if self._socket is None:
@@ -255,22 +309,24 @@ class LocalRead:
         assert self._socket is not None
         return bytes(self._socket[i].bytes)
 
-    def read_into(self, buffer: Any) -> int | None:
-        """The next member into ``buffer``; None once it fell back (take :attr:`rest`)."""
-        if self._socket is not None:
-            return None
-        try:
-            n = self._source().read_into(self._taken, buffer)
-        except LocalUnavailable as exc:
-            self._fall_back(exc)
-            return None
-        self._taken += 1
-        return n
+    def read_many(self, buffers: Sequence[Any]) -> list[int]:
+        """The next members, one into each of ``buffers``; their sizes (see
+        :meth:`LocalPayload.read_many`). From the socket's frames once it fell back."""
+        first = self._taken
+        self._taken += len(buffers)
+        if self._socket is None:
+            try:
+                return self._source().read_many(first, buffers)
+            except LocalUnavailable as exc:
+                self._fall_back(exc)
+        assert self._socket is not None
+        frames = self._socket[first : first + len(buffers)]
+        return [copy_frame(frame, buffer) for frame, buffer in zip(frames, buffers, strict=False)]
 
     def frames(self) -> list[Any]:
         """Every member not yet taken, read when each is asked for its bytes."""
         if self._socket is not None:
-            rest = self.rest
+            rest = self._socket[self._taken :]
             self._taken += len(rest)
             return rest
         first, self._taken = self._taken, len(self._source().spans)

@@ -26,7 +26,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -41,7 +41,7 @@ from .errors import (
     RemoteError,
     check_reply,
 )
-from .local import LocalFiles, LocalRead, LocalUnavailable
+from .local import LocalFiles, LocalRead, LocalUnavailable, copy_frame
 from .memory import tune_malloc
 from .protocol import (
     DEFAULT_SOCKET,
@@ -93,17 +93,6 @@ class Reply:
         self._message = conn._messages if conn is not None else 0
         self._local = local
 
-    def _from_file(self, buffer: Any) -> int | None:
-        """A local reply's next member into ``buffer``; None when it is not (or no longer)
-        read from the file, its remaining frames then held as a stashed reply's are."""
-        local = self._local
-        if local is None:
-            return None
-        got = local.read_into(buffer)
-        if got is None:
-            self._held, self._local = iter(local.rest), None
-        return got
-
     def _live_socket(self) -> zmq.Socket[bytes]:
         conn = self._conn
         if conn is None or conn._sock is None or conn._messages != self._message:
@@ -113,23 +102,32 @@ class Reply:
     def read_into(self, buffer: Any) -> int:
         """Receive the next payload frame into ``buffer`` (writable, at least the frame's
         size); returns the frame's size. Raises :class:`ProtocolError` if there is none."""
-        got = self._from_file(buffer)
-        if got is not None:
-            return got
-        if self._held is not None:
-            frame = next(self._held, None)
-            if frame is None:
-                raise ProtocolError("the reply has fewer payload frames than it announced")
-            src, dst = memoryview(frame.buffer).cast("B"), memoryview(buffer).cast("B")
-            n = len(src)
-            if n <= len(dst):  # a larger frame is not copied: the caller sees the size
-                dst[:n] = src
-            return n
-        sock = self._live_socket()
-        if not sock.getsockopt(zmq.RCVMORE):
+        got = self.read_many([buffer])
+        if not got:
             raise ProtocolError("the reply has fewer payload frames than it announced")
-        # All parts of a message arrive together: this never waits for the network.
-        return int(sock.recv_into(buffer))
+        return got[0]
+
+    def read_many(self, buffers: Sequence[Any]) -> list[int]:
+        """Receive the next payload frames, one into each of ``buffers`` (writable, each at
+        least its frame's size); returns their sizes, fewer than ``buffers`` where the
+        reply has no more. A local reply reads them from the shard file in as few system
+        calls as their places in it allow."""
+        if self._local is not None:
+            return self._local.read_many(buffers)
+        sizes: list[int] = []
+        for buffer in buffers:
+            if self._held is not None:
+                frame = next(self._held, None)
+                if frame is None:
+                    break
+                sizes.append(copy_frame(frame, buffer))
+                continue
+            sock = self._live_socket()
+            if not sock.getsockopt(zmq.RCVMORE):
+                break
+            # All parts of a message arrive together: this never waits for the network.
+            sizes.append(int(sock.recv_into(buffer)))
+        return sizes
 
     def frames(self) -> list[zmq.Frame]:
         """Every payload frame not yet taken."""
@@ -286,7 +284,15 @@ class Connection:
         return self.wait(self.send(header))
 
     def has_reply(self, request_id: int) -> bool:
-        """Whether the reply to ``request_id`` arrived already and waits to be taken."""
+        """Whether the reply to ``request_id`` has arrived: the replies already on the
+        socket are taken off it without waiting, and kept for :meth:`receive`. Call it
+        only with no reply's frames left to read in place (they would be discarded)."""
+        sock = self._sock
+        while request_id not in self._early and sock is not None and sock.poll(0, zmq.POLLIN):
+            header = self._recv_header()
+            if self._screen(header):
+                self._stash(header)
+            sock = self._sock  # a reconnect (see _screen) replaces it
         return request_id in self._early
 
     def keep(self, key: str, header: Header) -> None:
@@ -314,34 +320,20 @@ class Connection:
             if self._sock.poll(1000, zmq.POLLIN):
                 header = self._recv_header()
                 last_heard = time.monotonic()
-                instance = header.get("instance")
-                if instance is not None and instance != self._instance:
-                    # A ping's or an open's reply from a daemon that restarted under us.
-                    self._restarted(instance)
-                rid = header.get("id")
-                if header.get("code") == ErrorCode.SHUTTING_DOWN and rid in self._pending:
-                    # Not an answer: the daemon stopped first. Keep the request and give
-                    # it to the daemon's successor (a restart), or give up after
-                    # dead_after_s (a stop).
-                    self._recv_rest()
-                    log.warning(
-                        "cached daemon at %s is shutting down; waiting for it to come back",
-                        self.endpoint,
-                    )
-                    self._reconnect_within(self.dead_after_s)
+                if not self._screen(header):
                     last_heard, ping_id = time.monotonic(), None
                     continue
+                rid = header.get("id")
                 if rid == request_id:
                     self._pending.pop(request_id, None)
                     if in_place and "local" not in header:
                         return self._reply(request_id, header, None)
                     return self._reply(request_id, header, self._recv_rest())
-                frames = self._recv_rest()
                 if rid == ping_id:
+                    self._recv_rest()
                     ping_id = None
-                elif isinstance(rid, int) and self._pending.pop(rid, None) is not None:
-                    self._early[rid] = (header, frames)
-                # else: nobody waits for it any more (forgotten, or sent with reply=False)
+                else:
+                    self._stash(header)
                 continue
             now = time.monotonic()
             if now > deadline:
@@ -391,6 +383,34 @@ class Connection:
         if self._local_on:
             log.info("reading through the socket from now on: %s", exc)
         self._local_on = False
+
+    def _screen(self, header: Header) -> bool:
+        """Look at a message just received (its header; its other frames still on the
+        socket) for news of the daemon: a restart under us (re-send what it had not
+        answered), or a stop that answered a pending request with ``shutting_down``
+        (not an answer: keep the request for the daemon's successor, waiting up to
+        ``dead_after_s``). False when the message was such a notice and is done with."""
+        instance = header.get("instance")
+        if instance is not None and instance != self._instance:
+            # A ping's or an open's reply from a daemon that restarted under us.
+            self._restarted(instance)
+        if header.get("code") == ErrorCode.SHUTTING_DOWN and header.get("id") in self._pending:
+            self._recv_rest()
+            log.warning(
+                "cached daemon at %s is shutting down; waiting for it to come back",
+                self.endpoint,
+            )
+            self._reconnect_within(self.dead_after_s)
+            return False
+        return True
+
+    def _stash(self, header: Header) -> None:
+        """Keep a reply that came before its caller asked for it (or drop it: nobody waits
+        for it any more, forgotten or sent with ``reply=False``)."""
+        frames = self._recv_rest()
+        rid = header.get("id")
+        if isinstance(rid, int) and self._pending.pop(rid, None) is not None:
+            self._early[rid] = (header, frames)
 
     def _recv_header(self) -> Header:
         """The next message's header frame, after discarding what a caller left unread of
