@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import itertools
 import logging
@@ -142,7 +143,12 @@ class SourceLike(Protocol):
 
 def shard_id(info: ObjectInfo) -> str:
     """The content address of a shard: its endpoint, URL and version."""
-    ident = f"{info.endpoint}\0{info.url}\0{info.version}".encode()
+    return _content_address(info.endpoint, info.url, info.version)
+
+
+@functools.lru_cache(maxsize=1 << 14)  # every request asks: remembered, not rehashed
+def _content_address(endpoint: str, url: str, version: str) -> str:
+    ident = f"{endpoint}\0{url}\0{version}".encode()
     return hashlib.sha256(ident).hexdigest()[:32]
 
 

@@ -50,6 +50,12 @@ COPY_THRESHOLD_BYTES = 1 << 20
 MAX_REQUEST_DEPTH = 8
 # An open's flags -> how the fetcher treats a miss.
 _PRIORITY = {"demand": DEMAND, "prefetch": PREFETCH, "ahead": AHEAD}
+# What this daemon understands beyond protocol v1's first form, told in the hello reply:
+# "release": an open or read may carry the URLs whose pins the stream gives back, which
+# saves a local reader one ``close`` request per shard.
+FEATURES = ("release",)
+# URLs one request may release (a reader holds a few pins at a time).
+MAX_RELEASED = 64
 # A stream counts as live this long after its last read or open, lease or not: a reader
 # whose reads take whole shards at once holds each lease only for a moment.
 ACTIVE_S = 10.0
@@ -135,6 +141,16 @@ def _url(header: Header) -> str:
     url = _str(header, "url")
     parse(url)  # ValueError naming the URL: a bad request, not a failed fetch
     return url
+
+
+def _released(header: Header) -> list[str]:
+    """The ``release`` field: the URLs whose pins the stream gives back with this request."""
+    urls = header["release"]
+    if not (isinstance(urls, list) and len(urls) <= MAX_RELEASED):
+        raise ProtocolError(f"request field 'release' must list at most {MAX_RELEASED} URLs")
+    if not all(isinstance(u, str) and u for u in urls):
+        raise ProtocolError("request field 'release' must be a list of URLs")
+    return urls
 
 
 def _int(header: Header, name: str, low: int = 0) -> int:
@@ -375,7 +391,8 @@ class Server:
         if op == Op.PLAN:
             named = header.get("urls")
         elif op in (Op.OPEN, Op.READ, Op.CLOSE):
-            named = [header.get("url")]
+            released = header.get("release")
+            named = [header.get("url"), *(released if isinstance(released, list) else [])]
         else:
             return
         # An oversized plan is refused by _plan (bad_request) without this costly walk.
@@ -386,6 +403,9 @@ class Server:
         self, op: str, header: Header, client: bytes = b""
     ) -> tuple[Header, list[Any]]:
         """Run one request; ``client`` is the connection's routing id (for the caps)."""
+        if op in (Op.OPEN, Op.READ) and "release" in header:
+            # First: the pins given back make room for the shard this request may fetch.
+            await self._release(_released(header), _str(header, "stream"))
         if op == Op.HELLO:
             version = header.get("v")
             if version != PROTOCOL_VERSION:
@@ -397,15 +417,14 @@ class Server:
                 "v": PROTOCOL_VERSION,
                 "server": f"cached/{__version__}",
                 "instance": self.instance,
+                "features": list(FEATURES),
             }, []
         if op == Op.OPEN:
             return await self._open(header, client), []
         if op == Op.READ:
             return await self._read(header, client)
         if op == Op.CLOSE:
-            url = _url(header)
-            info = await self.fetcher.info(url)
-            self.leases.release(_str(header, "stream"), shard_id(info))
+            await self._release([_url(header)], _str(header, "stream"))
             return {}, []
         if op == Op.STATUS:
             return {"status": self._status()}, []
@@ -416,6 +435,13 @@ class Server:
             self.jobs.report(Report.parse(header))
             return {}, []
         raise ProtocolError(f"unknown op {op!r}; expected one of {', '.join(Op)}")
+
+    async def _release(self, urls: list[str], stream: str) -> None:
+        """The stream is done with these shards: their pins go (``close``, or the
+        ``release`` field of its next open or read)."""
+        for url in urls:
+            info = await self.fetcher.info(url)
+            self.leases.release(stream, shard_id(info))
 
     async def _shard(
         self, header: Header, client: bytes, *, count: bool

@@ -49,6 +49,9 @@ def test_by_default_no_file_url_is_served_and_existence_is_not_revealed(
         for op in ("read", "close"):
             with pytest.raises(Forbidden):
                 conn.request({"op": op, "url": existing, "stream": "s", "start": 0, "count": 1})
+        # A pin given back with another request ("release") names a URL too.
+        with pytest.raises(Forbidden):
+            conn.request({"op": "open", "url": f"s3://{bucket}/a.tar", "release": [existing]})
         plan = {"op": "plan", "plan": "p", "urls": [f"s3://{bucket}/a.tar", existing]}
         with pytest.raises(Forbidden, match=r"real\.tar is not allowed"):
             conn.request(plan)

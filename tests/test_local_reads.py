@@ -139,6 +139,32 @@ def test_fast_loader_reads_runs_of_members_in_one_call_and_skips_what_it_was_not
     assert len(calls) < 180 // 4
 
 
+def test_a_local_reader_gives_its_pins_back_with_its_next_request(
+    s3_server: S3Server, data: tuple[list[str], dict[str, bytes]], tmp_path: Path
+) -> None:
+    """A local reader holds a shard's pin until it has closed the file; it gives the pin
+    back with its next open or read ("release"), not with a ``close`` of its own: one
+    request less per shard for the daemon. The last shard's goes by ``close``; no lease
+    is left behind."""
+    urls, want = data
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        requests = d.daemon.metrics.requests
+
+        def closes() -> float:
+            return d.call(requests.labels("close", "ok")._value.get)
+
+        FastLoader(urls, socket=d.socket, batch_size=8).lengths()  # resident: local reads
+        before = closes()
+        loader = FastLoader(urls, socket=d.socket, batch_size=8, inflight=2)
+        seen = [key for batch in loader for key in batch.keys]
+        after = closes()
+        leases = d.call(lambda: len(d.daemon.server.leases._held))
+    assert sorted(seen) == sorted(want)
+    # Of 6 shards: those whose reader sent nothing more (the last ones) close.
+    assert after - before <= 2
+    assert leases == 0
+
+
 def test_a_reply_that_arrived_is_seen_without_waiting_for_it(
     s3_server: S3Server, data: tuple[list[str], dict[str, bytes]], tmp_path: Path
 ) -> None:

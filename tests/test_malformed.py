@@ -14,6 +14,8 @@ from cached_client.protocol import ErrorCode, ProtocolError, decode, encode
 from tests.daemon import ProcessDaemon, serve_config
 
 DEEP = 50_000
+# An open that gives pins back with it ("release": see docs/protocol.md).
+OPEN = {"op": "open", "id": 1, "url": "s3://b/a.tar", "stream": "s"}
 
 
 @pytest.fixture
@@ -55,6 +57,9 @@ def ask(daemon: ProcessDaemon) -> Iterator[object]:
         (encode({"op": "hello", "id": True, "v": 1}), "'id' must be an integer"),
         (encode({"op": [["hello"]], "id": 1, "v": 1}), "'op' must be one of"),
         (encode({"id": 1}), "'op' must be one of"),
+        (encode({**OPEN, "release": "s3://b/a.tar"}), "'release' must list at most"),
+        (encode({**OPEN, "release": ["s3://b/a.tar", 7]}), "'release' must be a list of URLs"),
+        (encode({**OPEN, "release": ["s3://b/a.tar"] * 65}), "'release' must list at most 64"),
     ],
     ids=[
         "arrays-top-level",
@@ -66,6 +71,9 @@ def ask(daemon: ProcessDaemon) -> Iterator[object]:
         "id-bool",
         "op-nested",
         "op-missing",
+        "release-not-a-list",
+        "release-not-urls",
+        "release-too-many",
     ],
 )
 def test_malformed_headers_are_bad_requests_and_the_daemon_keeps_serving(

@@ -3,7 +3,6 @@ across shard boundaries. Shared by ``CachedDataset`` and ``FastLoader``."""
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -76,10 +75,9 @@ def shard_lengths(
 
 def done(conn: Connection, url: str, stream: str) -> None:
     """The stream is done with a shard: close its file (local reads), then release its pin
-    without waiting (best effort: a daemon that is gone lets the lease lapse on its own)."""
+    without waiting (with the stream's next request, see :meth:`Connection.release`)."""
     conn.done_with(url)
-    with contextlib.suppress(Exception):
-        conn.send({"op": Op.CLOSE, "url": url, "stream": stream}, reply=False)
+    conn.release(url, stream)
 
 
 def announce(conn: Connection, plan: str, urls: Sequence[str], job: str = "") -> bool:
@@ -234,6 +232,8 @@ def pipelined_reads(
                     break
             if not pending:
                 return
+            # Pins that no request of this loop carried back go now, not at some later one.
+            conn.flush_releases(stream)
             rid, read = pending.popleft()
             yield read, rid
             if read.last:
@@ -246,6 +246,7 @@ def pipelined_reads(
         conn.forget([rid for rid, _ in pending] + [rid for _, _, rid, _ in opens])
         for url in held:
             done(conn, url, stream)
+        conn.flush_releases(stream)  # no request of this stream follows to carry them
 
 
 def read_spans(

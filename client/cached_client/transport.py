@@ -22,6 +22,7 @@ request and its reply:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -178,6 +179,9 @@ class Connection:
         self._files = LocalFiles()
         self._local_sent: dict[int, Header] = {}  # local reads, until their reply is taken
         self._local_answered = False
+        self._features: frozenset[str] = frozenset()  # from the daemon's hello
+        # Pins given back with the stream's next open or read ("release"), by stream.
+        self._releases: dict[str, list[str]] = {}
 
     def _unreachable(self) -> DaemonUnavailable:
         why = explain_unreachable(self.endpoint)
@@ -204,6 +208,8 @@ class Connection:
             self.close()
             raise
         self._instance = header.get("instance")
+        features = header.get("features")
+        self._features = frozenset(features) if isinstance(features, list) else frozenset()
 
     def close(self) -> None:
         """Close the socket (pending requests are kept for a reconnect)."""
@@ -239,9 +245,14 @@ class Connection:
         assert self._sock is not None
         request_id = next(self._ids)
         header = {**header, "id": request_id}
-        if local and self._local_on and header.get("op") == Op.READ:
+        op = header.get("op")
+        if local and self._local_on and op == Op.READ:
             header["local"] = True
             self._local_sent[request_id] = header
+        if self._releases and op in (Op.OPEN, Op.READ):
+            released = self._releases.pop(str(header.get("stream")), None)
+            if released:
+                header["release"] = released
         if reply:
             self._pending[request_id] = header
         self._sock.send(encode(header))
@@ -259,6 +270,24 @@ class Connection:
         keeps the stream's leases until ``close`` (see :meth:`done_with`), also after the
         connection went back to the socket."""
         return self._local_answered
+
+    def release(self, url: str, stream: str) -> None:
+        """Give back the stream's pin on ``url``'s shard, without waiting: with the
+        stream's next open or read where the daemon understands that (one request less
+        per shard), else by a ``close`` now. Best effort: a daemon that is gone lets the
+        lease lapse on its own."""
+        if "release" in self._features:
+            self._releases.setdefault(stream, []).append(url)
+            return
+        with contextlib.suppress(Exception):
+            self.send({"op": Op.CLOSE, "url": url, "stream": stream}, reply=False)
+
+    def flush_releases(self, stream: str) -> None:
+        """Give back at once the pins of ``stream`` that wait for its next request (it is
+        done reading: no request may follow)."""
+        for url in self._releases.pop(stream, []):
+            with contextlib.suppress(Exception):
+                self.send({"op": Op.CLOSE, "url": url, "stream": stream}, reply=False)
 
     def done_with(self, url: str) -> None:
         """The reader is done with ``url``'s shard: close its file, which must happen
