@@ -7,7 +7,9 @@ replies in any order. See ``docs/protocol.md`` for the full description.
 
 Requests (header fields):
 
-- ``{"op": "hello", "id", "v"}`` -> ``{"id", "ok", "v", "server"}``
+- ``{"op": "hello", "id", "v"}`` -> ``{"id", "ok", "v", "server", "instance", "features"}``
+- ``open`` and ``read`` may carry ``"release": [url, ...]`` (where ``features`` has
+  ``"release"``): the stream's pins on those shards go first, as with ``close``.
 - ``{"op": "open", "id", "url", "stream"}`` -> ``{"id", "ok", "url", "samples", "size",
   "hit"}``; fetches the shard first if it is not in the hot tier (a demand miss; then
   ``hit`` is false).
