@@ -311,31 +311,39 @@ class _Filling:
         Their places are laid out first and the buffers grown once, so that every
         member is received in one call (:meth:`Reply.read_many`: from a local reply, one
         read per run of the file, not one per member)."""
-        places: list[tuple[str, str, int, int]] = []
+        places: list[tuple[str, int]] = []  # (ext, at) of each member, in order
+        sizes: list[int] = []
+        owners: list[str] = []  # each member's sample key, for an error's message
         used, offsets, keys = self.used, self.offsets, self.keys
         for key, members in samples:
             n = len(keys)
-            for ext, size, *_ in members:
+            for member in members:
+                ext, size = member[0], member[1]
                 at = used.get(ext, 0)
-                places.append((key, ext, at, size))
+                places.append((ext, at))
+                sizes.append(size)
+                owners.append(key)
                 used[ext] = at + size
                 offsets.setdefault(ext, [0] * (n + 1)).append(at + size)
             keys.append(key)
-            for offs in offsets.values():
-                if len(offs) < n + 2:  # this sample has no such member
-                    offs.append(offs[-1])
+            if len(members) < len(offsets):
+                for offs in offsets.values():
+                    if len(offs) < n + 2:  # this sample has no such member
+                        offs.append(offs[-1])
         for ext, end in used.items():
             self.slot.region(ext, 0, end)  # grown first: the views below stay valid
         whole = self.slot.views
-        views = [whole[ext][at : at + size] for _, ext, at, size in places]
+        views = [whole[ext][at : at + size] for (ext, at), size in zip(places, sizes, strict=True)]
         got = reply.read_many(views)
-        for (key, ext, _, size), n in zip(places, got, strict=False):
-            if n != size:
-                raise ProtocolError(f"{key}.{ext}: a frame of {n} bytes, announced {size}")
-        if len(got) < len(places):
-            key, ext, _, _ = places[len(got)]
-            why = "the reply has fewer payload frames than it announced"
-            raise ProtocolError(f"{key}.{ext}: {why}")
+        if got != sizes:
+            pairs = enumerate(zip(got, sizes, strict=False))
+            i = next((i for i, (n, size) in pairs if n != size), len(got))
+            what = (
+                f"a frame of {got[i]} bytes, announced {sizes[i]}"
+                if i < len(got)
+                else "the reply has fewer payload frames than it announced"
+            )
+            raise ProtocolError(f"{owners[i]}.{places[i][0]}: {what}")
 
     def batch(self) -> Batch:
         data = {ext: self.slot.buffers[ext][:n] for ext, n in self.used.items()}

@@ -106,11 +106,9 @@ class LocalFiles:
             raise ProtocolError("a local reply without its file's path")
         algorithm = where.get("algorithm")
         digest = _DIGESTS.get(algorithm) if isinstance(algorithm, str) else None
-        spans: list[tuple[int, int, int | None]] = []
-        for _key, members in header.get("samples", []):
-            for member in members:
-                _ext, size, offset, checksum = member
-                spans.append((int(offset), int(size), checksum if digest else None))
+        # Each member is [ext, size, offset, checksum].
+        members = [m for _key, ms in header.get("samples", []) for m in ms]
+        spans = [(int(m[2]), int(m[1]), m[3] if digest else None) for m in members]
         return LocalPayload(self, where, str(header.get("url", "")), spans, digest)
 
     def fd(self, where: dict[str, Any], url: str) -> int:
