@@ -17,7 +17,16 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-from cached_client.protocol import PROTOCOL_VERSION, ErrorCode, Header, Op, decode, encode, error
+from cached_client.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Header,
+    Op,
+    decode,
+    encode,
+    encode_value,
+    error,
+)
 from cached_client.protocol import ProtocolError as WireProtocolError
 from cached_client.urls import check_all, parse
 
@@ -30,7 +39,7 @@ from .metrics import Metrics
 from .planner import Plan, Planner, prepare
 from .quota import PerClient
 from .tiers.hot import HotTier, Shard, ShardCorrupt
-from .tiers.index import Member
+from .tiers.index import Member, ShardIndex
 
 log = logging.getLogger(__name__)
 
@@ -378,7 +387,7 @@ class Server:
         self.metrics.requests.labels(op, result).inc()
         assert self._sock is not None
         try:
-            await self._sock.send_multipart([ident, encode(reply), *payload], copy=False)
+            await self._sock.send_multipart([ident, _encode(reply), *payload], copy=False)
         except zmq.ZMQError as exc:
             # The client went away (EHOSTUNREACH): nothing to deliver, nothing to keep.
             log.debug("reply to a vanished client dropped: %s", exc)
@@ -529,19 +538,17 @@ class Server:
             if start > n:
                 raise OutOfRange(f"{shard.url} has {n} samples; cannot read from sample {start}")
             stop = min(n, start + count)
-            samples: list[Any] = []
+            if local:
+                samples, nbytes = _local_layout(index, wanted, start, stop)
+                frames: list[Any] = []
+                break
+            listed: list[Any] = []
             picked: list[Member] = []
             for sample in index.samples[start:stop]:
                 members = [m for m in sample.members if wanted is None or m.ext in wanted]
-                if local:
-                    listed = [[m.ext, m.size, m.offset, m.checksum] for m in members]
-                else:
-                    listed = [[m.ext, m.size] for m in members]
-                samples.append([sample.key, listed])
+                listed.append([sample.key, [[m.ext, m.size] for m in members]])
                 picked.extend(members)
-            if local:
-                frames: list[Any] = []
-                break
+            samples, nbytes = listed, sum(m.size for m in picked)
             try:
                 # Checked against their checksums first: rotten bytes are never sent.
                 frames = await self.hot.read(shard, picked)
@@ -550,7 +557,6 @@ class Server:
                 if attempt == 2:
                     raise
                 # The hot tier dropped the rotten copy; _shard fetches a good one.
-        nbytes = sum(m.size for m in picked)
         reply: Header = {"start": start, "next": stop, "end": stop == n, "samples": samples}
         if local:
             # The reader holds the file open past this reply: its lease (the pin that keeps
@@ -562,6 +568,42 @@ class Server:
         self.metrics.served_samples.inc(stop - start)
         self.metrics.served_bytes.inc(nbytes)
         return reply, frames
+
+
+class _Encoded(bytes):
+    """A reply field already encoded as JSON (see :func:`_local_layout`)."""
+
+
+def _encode(reply: Header) -> bytes:
+    """The reply's header frame; a ``samples`` already encoded is spliced in as it is."""
+    samples = reply.get("samples")
+    if not isinstance(samples, _Encoded):
+        return encode(reply)
+    rest = encode({k: v for k, v in reply.items() if k != "samples"})
+    return b"".join((rest[:-1], b',"samples":' if len(rest) > 2 else b'"samples":', samples, b"}"))
+
+
+def _local_layout(
+    index: ShardIndex, wanted: frozenset[str] | None, start: int, stop: int
+) -> tuple[Any, int]:
+    """A local read's ``samples`` (``[key, [[ext, size, offset, checksum], ...]]``, the
+    members in ``wanted``) and their payload bytes. A whole shard's is encoded once and
+    kept with the index: a local reader asks for whole shards, every epoch, and listing
+    and encoding each member was most of what the daemon still spent on serving it."""
+    whole = start == 0 and stop == len(index.samples)
+    kept: tuple[_Encoded, int] | None = index.memo.get(("local", wanted)) if whole else None
+    if kept is not None:
+        return kept
+    samples: list[Any] = []
+    nbytes = 0
+    for sample in index.samples[start:stop]:
+        members = [m for m in sample.members if wanted is None or m.ext in wanted]
+        samples.append([sample.key, [[m.ext, m.size, m.offset, m.checksum] for m in members]])
+        nbytes += sum(m.size for m in members)
+    if not whole:
+        return samples, nbytes
+    kept = index.memo[("local", wanted)] = (_Encoded(encode_value(samples)), nbytes)
+    return kept
 
 
 async def _answers(ctx: zmq.asyncio.Context, endpoint: str) -> bool:

@@ -165,6 +165,34 @@ def test_a_local_reader_gives_its_pins_back_with_its_next_request(
     assert leases == 0
 
 
+def test_a_whole_shards_layout_is_made_once_per_request_kind_and_stays_right(
+    s3_server: S3Server, data: tuple[list[str], dict[str, bytes]], tmp_path: Path
+) -> None:
+    """The daemon encodes a whole shard's local layout once (per set of extensions asked
+    for) and sends the same bytes again; a part of a shard is listed afresh."""
+    urls, want = data
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        conn = Connection(d.socket)
+        read = {"op": "read", "url": urls[0], "stream": "t", "start": 0, "count": 20}
+        replies = [conn.request({**read, **extra})[0] for extra in ({}, {}, {"exts": ["bin"]})]
+        part = conn.request({**read, "start": 5, "count": 3})[0]
+        conn.close()
+        shard = d.call(lambda: d.daemon.hot.get(Path(replies[0]["local"]["path"]).stem))
+    index = shard.index
+    layout = [
+        [s.key, [[m.ext, m.size, m.offset, m.checksum] for m in s.members]] for s in index.samples
+    ]
+    assert replies[0]["samples"] == replies[1]["samples"] == layout
+    assert replies[2]["samples"] == [[k, [m for m in ms if m[0] == "bin"]] for k, ms in layout]
+    assert part["samples"] == layout[5:8]
+    assert len(index.memo) == 2  # everything, and bin alone; not the part
+    # The members' bytes are where the layout says.
+    blob = Path(replies[0]["local"]["path"]).read_bytes()
+    for key, members in layout:
+        offset, size = members[0][2], members[0][1]
+        assert blob[offset : offset + size] == want[key]
+
+
 def test_a_reply_that_arrived_is_seen_without_waiting_for_it(
     s3_server: S3Server, data: tuple[list[str], dict[str, bytes]], tmp_path: Path
 ) -> None:

@@ -20,7 +20,7 @@ import re
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -74,6 +74,9 @@ class ShardIndex:
     samples: tuple[Sample, ...]
     size_bytes: int  # total tar size seen
     algorithm: str | None = None  # of the members' checksums ("xxh3_64"); None: none
+    # Renderings of this index that its server makes once and sends often (the layout of
+    # a whole-shard local read: cached/server.py), by what was asked. Not part of it.
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def checksummed(self) -> bool:

@@ -80,7 +80,12 @@ class ProtocolError(Exception):
 
 def encode(header: Header) -> bytes:
     """Encode a header frame."""
-    return json.dumps(header, separators=(",", ":")).encode()
+    return encode_value(header)
+
+
+def encode_value(value: Any) -> bytes:
+    """Any JSON value as a header frame would encode it (compact)."""
+    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def decode(frame: bytes | memoryview, max_depth: int | None = None) -> Header:
