@@ -20,7 +20,6 @@ from cached_client import CachedDataset
 from cached_client.reader import read_shard
 from cached_client.transport import Connection
 
-from cached import lookups
 from cached.errors import VerifyError
 from cached.policy.lru import LRUPolicy
 from cached.sources.base import ObjectInfo
@@ -257,12 +256,6 @@ def test_stream_sums_match_whatever_the_chunking() -> None:
 # --- bodies corrupted in transit --------------------------------------------------------
 
 
-@pytest.fixture
-def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
-    with FaultProxy.start(s3_server.endpoint_url) as p:
-        yield p
-
-
 @pytest.mark.parametrize("part_size", ["1MiB", "16KiB"], ids=["single-get", "ranged"])
 def test_a_body_corrupted_in_transit_is_fetched_again(
     s3_server: S3Server, bucket: str, tmp_path: Path, proxy: FaultProxy, part_size: str
@@ -394,12 +387,6 @@ def test_a_restarted_daemon_serves_its_hot_tier_while_the_store_is_down(
             read_all(d, [f"s3://{bucket}/never-read.tar"])
     outages = [r for r in caplog.records if r.name == "cached.store_health"]
     assert len(outages) == 1 and "the object store is unreachable" in outages[0].message
-
-
-@pytest.fixture
-def quick_probe(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Probe an unreachable store every 0.2 s instead of every 2 s."""
-    monkeypatch.setattr(lookups, "PROBE_S", 0.2)
 
 
 @pytest.mark.usefixtures("quick_probe")
