@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import functools
 import hashlib
-import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -32,16 +31,17 @@ from typing import Any, Protocol, TypeVar, cast
 from .errors import CachedError, CacheFull, FetchError
 from .lookups import Lookups
 from .metrics import Metrics
+from .slots import DEMAND, PREFETCH, PrioritySlots
 from .sources.base import ObjectChanged, ObjectInfo, Opened, Rewind, Sink
 from .sources.retry import StoreUnavailable
 from .tiers.hot import HotTier, NotAdmitted, Shard, ShardWriter
+
+__all__ = ["AHEAD", "DEMAND", "PREFETCH", "Fetcher", "PrioritySlots", "SourceLike", "shard_id"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEMAND = 0
-PREFETCH = 1
 # Not a download priority: a reader's open ahead of its position. It waits for the shard
 # to become resident (the prefetcher decides what to fetch ahead) and is fetched on demand
 # only if it is still missing after ``[cache] pin_wait_s``; the reader asks again as a
@@ -49,83 +49,12 @@ PREFETCH = 1
 AHEAD = 2
 # How often a reader's open ahead that the eviction policy did not admit asks again.
 ADMISSION_RETRY_S = 0.05
-# How often a reader's open ahead looks whether the prefetcher started on its shard.
+# How often a reader's open ahead looks whether the prefetcher started on its shard (or
+# on the GET that asks for its version).
 AHEAD_POLL_S = 0.25
 # Times an open follows an object replaced while it was being downloaded, before it
 # gives up (an object rewritten faster than it can be read).
 CHANGED_RETRIES = 3
-
-
-@dataclass
-class _Waiter:
-    priority: int
-    seq: int
-    key: str
-    fut: asyncio.Future[None]
-
-
-class PrioritySlots:
-    """A semaphore for downloads: demand misses first (in arrival order), then prefetches,
-    the most urgent first (``urgency(key)``: seconds until a reader needs it; arrival
-    order without it).
-
-    ``keep`` slots are kept for ``DEMAND``: a prefetch gets a slot only while more than
-    ``keep`` are free, so however many prefetches queue, a demand miss (a reader waiting)
-    never waits for a download to finish before its own starts.
-    """
-
-    def __init__(
-        self, slots: int, keep: int = 0, urgency: Callable[[str], float] | None = None
-    ) -> None:
-        self._free = slots
-        self._keep = min(keep, slots - 1)
-        self._urgency = urgency
-        self._waiters: list[_Waiter] = []  # short (a few per download slot): scanned
-        self._seq = itertools.count()
-
-    async def acquire(self, priority: int, key: str = "") -> None:
-        """Wait for a slot. ``key`` names the waiter for :meth:`promote` and ``urgency``."""
-        waiter = _Waiter(priority, next(self._seq), key, asyncio.get_running_loop().create_future())
-        self._waiters.append(waiter)
-        self._dispatch()
-        try:
-            await waiter.fut
-        except asyncio.CancelledError:
-            if waiter.fut.done() and not waiter.fut.cancelled():
-                self.release()  # the slot was handed over as we were cancelled
-            raise
-        finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
-
-    def promote(self, key: str, priority: int) -> None:
-        """Move waiter ``key`` up to ``priority`` (a prefetch that a reader now waits for)."""
-        for waiter in self._waiters:
-            if waiter.key == key and waiter.priority > priority:
-                waiter.priority = priority
-        self._dispatch()
-
-    def release(self) -> None:
-        """Give a slot back, to the most urgent waiter that may have it."""
-        self._free += 1
-        self._dispatch()
-
-    def _dispatch(self) -> None:
-        while self._free > 0:
-            waiting = [w for w in self._waiters if not w.fut.done()]
-            if not waiting:
-                return
-            demand = [w for w in waiting if w.priority == DEMAND]
-            if demand:
-                chosen = min(demand, key=lambda w: w.seq)
-            elif self._free > self._keep:
-                urgency = self._urgency
-                chosen = min(waiting, key=lambda w: (urgency(w.key) if urgency else 0.0, w.seq))
-            else:
-                return
-            self._waiters.remove(chosen)
-            self._free -= 1
-            chosen.fut.set_result(None)
 
 
 class SourceLike(Protocol):
