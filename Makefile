@@ -75,6 +75,7 @@ bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/loop_stall.py --small
 	$(PY) bench/verify.py --small
 	$(PY) bench/fetch_cpu.py --small
+	$(PY) bench/cold_requests.py --small
 	$(PY) bench/soak.py --small
 	$(PY) bench/seed.py --small
 	$(PEERS_PY) bench/peers.py --small

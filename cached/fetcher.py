@@ -5,10 +5,14 @@ asking for one shard share one download. A demand miss (a reader waiting) takes 
 free download slot before any prefetch does.
 
 The object's version comes from :class:`~cached.lookups.Lookups` (revalidated at opens
-after ``[s3] revalidate_s``; the resident copy's during an outage). An object replaced
-during its download (``ObjectChanged``) is looked up again and the new version fetched.
-A resident shard reloaded at start is served once the hot tier may serve it (checked,
-or checked member by member as it is read).
+after ``[s3] revalidate_s``; the resident copy's during an outage). A URL the hot tier
+holds no copy of and whose version is not known costs one GET, not a HEAD and a GET: its
+headers give the version (and so the shard id), and its body is the download
+(:meth:`Fetcher._open`; docs/decisions.md, D27). A resident copy is revalidated with a
+HEAD: there is no download to share a GET with. An object replaced during its download
+(``ObjectChanged``) is looked up again and the new version fetched. A resident shard
+reloaded at start is served once the hot tier may serve it (checked, or checked member
+by member as it is read).
 """
 
 from __future__ import annotations
@@ -17,27 +21,27 @@ import asyncio
 import contextlib
 import functools
 import hashlib
-import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
-from .errors import CachedError, FetchError
+from .errors import CachedError, CacheFull, FetchError
 from .lookups import Lookups
 from .metrics import Metrics
-from .sources.base import ObjectChanged, ObjectInfo, Rewind, Sink
+from .slots import DEMAND, PREFETCH, PrioritySlots
+from .sources.base import ObjectChanged, ObjectInfo, Opened, Rewind, Sink
 from .sources.retry import StoreUnavailable
-from .tiers.hot import HotTier, NotAdmitted, Shard
+from .tiers.hot import HotTier, NotAdmitted, Shard, ShardWriter
+
+__all__ = ["AHEAD", "DEMAND", "PREFETCH", "Fetcher", "PrioritySlots", "SourceLike", "shard_id"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEMAND = 0
-PREFETCH = 1
 # Not a download priority: a reader's open ahead of its position. It waits for the shard
 # to become resident (the prefetcher decides what to fetch ahead) and is fetched on demand
 # only if it is still missing after ``[cache] pin_wait_s``; the reader asks again as a
@@ -45,83 +49,12 @@ PREFETCH = 1
 AHEAD = 2
 # How often a reader's open ahead that the eviction policy did not admit asks again.
 ADMISSION_RETRY_S = 0.05
-# How often a reader's open ahead looks whether the prefetcher started on its shard.
+# How often a reader's open ahead looks whether the prefetcher started on its shard (or
+# on the GET that asks for its version).
 AHEAD_POLL_S = 0.25
 # Times an open follows an object replaced while it was being downloaded, before it
 # gives up (an object rewritten faster than it can be read).
 CHANGED_RETRIES = 3
-
-
-@dataclass
-class _Waiter:
-    priority: int
-    seq: int
-    key: str
-    fut: asyncio.Future[None]
-
-
-class PrioritySlots:
-    """A semaphore for downloads: demand misses first (in arrival order), then prefetches,
-    the most urgent first (``urgency(key)``: seconds until a reader needs it; arrival
-    order without it).
-
-    ``keep`` slots are kept for ``DEMAND``: a prefetch gets a slot only while more than
-    ``keep`` are free, so however many prefetches queue, a demand miss (a reader waiting)
-    never waits for a download to finish before its own starts.
-    """
-
-    def __init__(
-        self, slots: int, keep: int = 0, urgency: Callable[[str], float] | None = None
-    ) -> None:
-        self._free = slots
-        self._keep = min(keep, slots - 1)
-        self._urgency = urgency
-        self._waiters: list[_Waiter] = []  # short (a few per download slot): scanned
-        self._seq = itertools.count()
-
-    async def acquire(self, priority: int, key: str = "") -> None:
-        """Wait for a slot. ``key`` names the waiter for :meth:`promote` and ``urgency``."""
-        waiter = _Waiter(priority, next(self._seq), key, asyncio.get_running_loop().create_future())
-        self._waiters.append(waiter)
-        self._dispatch()
-        try:
-            await waiter.fut
-        except asyncio.CancelledError:
-            if waiter.fut.done() and not waiter.fut.cancelled():
-                self.release()  # the slot was handed over as we were cancelled
-            raise
-        finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
-
-    def promote(self, key: str, priority: int) -> None:
-        """Move waiter ``key`` up to ``priority`` (a prefetch that a reader now waits for)."""
-        for waiter in self._waiters:
-            if waiter.key == key and waiter.priority > priority:
-                waiter.priority = priority
-        self._dispatch()
-
-    def release(self) -> None:
-        """Give a slot back, to the most urgent waiter that may have it."""
-        self._free += 1
-        self._dispatch()
-
-    def _dispatch(self) -> None:
-        while self._free > 0:
-            waiting = [w for w in self._waiters if not w.fut.done()]
-            if not waiting:
-                return
-            demand = [w for w in waiting if w.priority == DEMAND]
-            if demand:
-                chosen = min(demand, key=lambda w: w.seq)
-            elif self._free > self._keep:
-                urgency = self._urgency
-                chosen = min(waiting, key=lambda w: (urgency(w.key) if urgency else 0.0, w.seq))
-            else:
-                return
-            self._waiters.remove(chosen)
-            self._free -= 1
-            chosen.fut.set_result(None)
 
 
 class SourceLike(Protocol):
@@ -132,8 +65,15 @@ class SourceLike(Protocol):
 
     async def head(self, url: str) -> ObjectInfo: ...
 
+    async def open(self, url: str) -> Opened: ...
+
     async def fetch(
-        self, info: ObjectInfo, sink: Sink, *, rewind: Rewind | None = None
+        self,
+        info: ObjectInfo,
+        sink: Sink,
+        *,
+        rewind: Rewind | None = None,
+        opened: Opened | None = None,
     ) -> None: ...
 
     def promote_enabled(self, info: ObjectInfo) -> bool: ...
@@ -150,6 +90,25 @@ def shard_id(info: ObjectInfo) -> str:
 def _content_address(endpoint: str, url: str, version: str) -> str:
     ident = f"{endpoint}\0{url}\0{version}".encode()
     return hashlib.sha256(ident).hexdigest()[:32]
+
+
+@dataclass
+class _Opening:
+    """A GET of a URL whose version is not known yet, shared by all who ask for the URL
+    meanwhile. ``info`` is set from its headers; its task then goes on to download the
+    shard from that body, unless the hot tier has it or another download brings it."""
+
+    # The most urgent asker's: the download slot and the reservation follow it.
+    priority: int
+    info: asyncio.Future[ObjectInfo]
+    task: asyncio.Task[Shard | None] | None = None
+
+
+def _retrieve(done: asyncio.Future[Any]) -> None:
+    """Mark a failure as seen: one that nobody waits for any more (every asker gone)
+    was logged where it happened, and must not come back as "never retrieved"."""
+    if not done.cancelled():
+        done.exception()
 
 
 class Fetcher:
@@ -178,6 +137,7 @@ class Fetcher:
             on_answer=self._answered,
         )
         self._inflight: dict[str, asyncio.Task[Shard]] = {}
+        self._opening: dict[str, _Opening] = {}  # by URL
         self._promotions: set[asyncio.Task[None]] = set()
         metrics.store_reachable.set_function(lambda: float(self.lookups.health.reachable))
         hot.on_corrupt(lambda _shard, found: metrics.corrupt_shards.labels(found).inc())
@@ -192,6 +152,16 @@ class Fetcher:
         """The object's size and version (see :meth:`Lookups.get`): what is known, or with
         ``revalidate`` (an open) asked again once older than ``[s3] revalidate_s``."""
         return await self.lookups.get(url, revalidate=revalidate)
+
+    def known(self, url: str) -> ObjectInfo | None:
+        """What is known of ``url`` without asking the store: the last answer, whatever
+        its age, else the hot tier's copy's own description; None for a URL not fetched
+        yet (its size comes with its GET)."""
+        return self.lookups.fresh(url) or self._offline(url)
+
+    def typical_size_bytes(self) -> int | None:
+        """The mean size of the objects known (:meth:`Lookups.typical_size_bytes`)."""
+        return self.lookups.typical_size_bytes()
 
     def store_status(self) -> dict[str, Any]:
         """The store's reachability for ``/status``: ``{"reachable", "since", "last_error"}``."""
@@ -220,26 +190,165 @@ class Fetcher:
         """The READY shard for ``url`` and whether it was already resident (a hit).
 
         ``revalidate``: an open, which asks the store again about an answer older than
-        ``[s3] revalidate_s``; reads pass False and keep to the version known.
+        ``[s3] revalidate_s``; reads pass False and keep to the version known. A URL
+        whose version must be asked and that the hot tier holds no copy of costs one GET.
         Raises ``FetchError`` (``ObjectNotFound``...), ``NotATarError`` or ``CacheFull``.
         """
-        info = await self.info(url, revalidate=revalidate)
-        return await self._following_changes(info, lambda i: self._ensure(i, priority))
+        # An open ahead waits for others' downloads this long in all, its lookup included.
+        deadline = time.monotonic() + self.hot.pin_wait_s
+
+        async def attempt(info: ObjectInfo) -> tuple[Shard, bool]:
+            return await self._ensure(info, priority, deadline)
+
+        return await self._following_changes(
+            url, priority, attempt, revalidate=revalidate, deadline=deadline
+        )
 
     async def _following_changes(
-        self, info: ObjectInfo, attempt: Callable[[ObjectInfo], Awaitable[T]]
+        self,
+        url: str,
+        priority: int,
+        attempt: Callable[[ObjectInfo], Awaitable[T]],
+        *,
+        revalidate: bool,
+        deadline: float = 0.0,
     ) -> T:
-        """``attempt(info)``; if the object was replaced while it downloaded
-        (``ObjectChanged``), again with the version the store has now, up to
-        ``CHANGED_RETRIES`` times in all."""
+        """``attempt(info)`` with the object's description (:meth:`_lookup`); if the
+        object was replaced while it downloaded (``ObjectChanged``), again with the
+        version the store has now, up to ``CHANGED_RETRIES`` times in all."""
         for tries in range(1, CHANGED_RETRIES + 1):
+            info = await self._lookup(url, priority, revalidate=revalidate, deadline=deadline)
             try:
                 return await attempt(info)
             except ObjectChanged:
                 if tries == CHANGED_RETRIES:
                     raise
-            info = await self.info(info.url, revalidate=True)
+            revalidate = True  # the failed download forgot the answer: ask again
         raise AssertionError("unreachable")
+
+    async def _lookup(
+        self, url: str, priority: int, *, revalidate: bool, deadline: float
+    ) -> ObjectInfo:
+        """The object's description: the answer known (:meth:`Lookups.fresh`); for a URL
+        the hot tier holds a copy of, a HEAD (a revalidation, with no download to share
+        a GET with) or, while the store is down, the copy's own; else the headers of the
+        GET that downloads it (:meth:`_open`). An open ahead sends nothing until
+        ``deadline``: it takes the answer of someone else's GET (the prefetcher's), and
+        only then asks as a demand would."""
+        known = self.lookups.fresh(url, revalidate=revalidate)
+        if known is not None:
+            return known
+        if self.hot.latest(url) is not None or not self.lookups.health.reachable:
+            return await self.lookups.get(url, revalidate=revalidate)
+        if priority == AHEAD:
+            info = await self._answered_soon(url, deadline, revalidate=revalidate)
+            if info is not None:
+                return info
+            priority = DEMAND
+        return await self._open(url, priority)
+
+    async def _answered_soon(
+        self, url: str, deadline: float, *, revalidate: bool
+    ) -> ObjectInfo | None:
+        """The store's answer about ``url`` once someone else's GET has it, or None at
+        ``deadline``. Sends nothing; raises what that GET raised (not found...)."""
+        while (left := deadline - time.monotonic()) > 0:
+            known = self.lookups.fresh(url, revalidate=revalidate)
+            if known is not None:
+                return known
+            opening = self._opening.get(url)
+            if opening is None:
+                await self.hot.changed(min(left, AHEAD_POLL_S))
+                continue
+            try:
+                return await asyncio.wait_for(asyncio.shield(opening.info), left)
+            except TimeoutError:
+                return None
+        return None
+
+    async def _open(self, url: str, priority: int) -> ObjectInfo:
+        """The object's description from the headers of a GET of it, which goes on to
+        download the shard (:meth:`_fetch_opened`). One GET per URL at a time, however
+        many ask: each waits for the headers, then joins the download or finds the
+        shard resident as any caller does (:meth:`_bring_in`)."""
+        opening = self._opening.get(url)
+        if opening is None:
+            opening = self._start_opening(url, priority)
+        elif priority < opening.priority:
+            # A reader waits now: the GET goes first, and what it brings is no prefetch.
+            opening.priority = priority
+            self._slots.promote(url, priority)
+        return await asyncio.shield(opening.info)
+
+    def _start_opening(self, url: str, priority: int) -> _Opening:
+        loop = asyncio.get_running_loop()
+        opening = _Opening(priority, loop.create_future())
+        opening.info.add_done_callback(_retrieve)
+        task = loop.create_task(self._fetch_opened(url, opening), name=f"fetch {url}")
+        opening.task = task
+        self._opening[url] = opening
+        self._urls[url] = url  # its slot is queued by URL: the shard id is not known yet
+
+        def settle(done: asyncio.Task[Shard | None]) -> None:
+            if self._opening.get(url) is opening:
+                del self._opening[url]
+                self._urls.pop(url, None)
+            _retrieve(done)
+            if opening.info.done():
+                return
+            # It ended before the headers came: cancelled (a shutdown), or a bug.
+            if done.cancelled():
+                opening.info.cancel()
+            else:
+                opening.info.set_exception(
+                    done.exception() or FetchError(f"{url}: the GET ended without an answer")
+                )
+
+        task.add_done_callback(settle)
+        return opening
+
+    async def _fetch_opened(self, url: str, opening: _Opening) -> Shard | None:
+        """An opening's task: a download slot, the GET, the answer its headers give;
+        then the download from its body, unless the hot tier has that shard already or
+        another download of it is under way (None: the body is closed unread)."""
+        await self._slots.acquire(opening.priority, url)
+        try:
+            try:
+                opened = await self.sources.open(url)
+            except CachedError as exc:
+                # The download's GET failed: a fetch that failed, under the tier asked
+                # first (which tier answered is not known before the headers).
+                self.metrics.fetches.labels("warm", type(exc).__name__).inc()
+                self.lookups.failed(url, exc)
+                opening.info.set_exception(exc)
+                return None
+            async with opened:
+                info = opened.info
+                self.lookups.remember(info)
+                sid = shard_id(info)
+                claimed = self._claim(sid, info)
+                opening.info.set_result(info)
+                if not claimed:
+                    return None
+                return await self._download(sid, info, opening.priority, opened)
+        finally:
+            self._slots.release()
+
+    def _claim(self, sid: str, info: ObjectInfo) -> bool:
+        """Whether the running opening is to download ``sid`` from its GET's body: not
+        when the hot tier has the shard (found by the version the GET gave) or another
+        download of it is under way. If so, it is registered as that download."""
+        if self.hot.get(sid, access=False) is not None:
+            return False
+        running = self._inflight.get(sid)
+        if running is not None and not running.done():
+            return False
+        task = asyncio.current_task()
+        assert task is not None
+        # From here on the task's result is this shard, or its failure: a download as
+        # _start's are, for others to join.
+        self._track(sid, info.url, cast("asyncio.Task[Shard]", task))
+        return True
 
     async def _usable(self, shard: Shard | None) -> Shard | None:
         """``shard`` if it may be served now: a reloaded shard without member checksums
@@ -248,20 +357,24 @@ class Fetcher:
             return shard
         return shard if await self.hot.verify(shard) else None
 
-    async def _ensure(self, info: ObjectInfo, priority: int) -> tuple[Shard, bool]:
+    async def _ensure(self, info: ObjectInfo, priority: int, deadline: float) -> tuple[Shard, bool]:
         sid = shard_id(info)
         # Spared by eviction from its publication until the caller pins it (no await
         # between our return and its pin), or it may be gone before the caller's turn.
         with self.hot.wanted(sid):
-            return await self._bring_in(sid, info, priority)
+            return await self._bring_in(sid, info, priority, deadline)
 
-    async def _bring_in(self, sid: str, info: ObjectInfo, priority: int) -> tuple[Shard, bool]:
-        """``_ensure``'s work, for a caller that holds ``hot.wanted(sid)``."""
+    async def _bring_in(
+        self, sid: str, info: ObjectInfo, priority: int, deadline: float
+    ) -> tuple[Shard, bool]:
+        """``_ensure``'s work, for a caller that holds ``hot.wanted(sid)``. An open ahead
+        waits for someone else's download until ``deadline``."""
         shard = await self._usable(self.hot.get(sid))
         if shard is not None:
             return shard, True
         if priority == AHEAD:
-            shard = await self._usable(await self._resident_soon(sid, self.hot.pin_wait_s))
+            left = deadline - time.monotonic()
+            shard = await self._usable(await self._resident_soon(sid, left))
             if shard is not None:
                 return shard, False
             priority = DEMAND
@@ -308,15 +421,16 @@ class Fetcher:
                 await self.hot.changed(min(left, AHEAD_POLL_S))
         return None
 
-    def fetching(self, info: ObjectInfo) -> bool:
-        """Whether the object is being fetched (or waits for a download slot)."""
-        return shard_id(info) in self._inflight
+    def fetching(self, url: str) -> bool:
+        """Whether ``url`` is being fetched, at any version (or waits for a slot)."""
+        return url in self._opening or url in self._urls.values()
 
-    async def prefetch(self, info: ObjectInfo) -> bool:
-        """Fetch an object ahead of its readers, if the eviction policy admits it (it
+    async def prefetch(self, url: str) -> bool:
+        """Fetch ``url`` ahead of its readers, if the eviction policy admits it (it
         would displace only shards needed later). Returns whether the shard is resident.
         The version is revalidated first (as an open would), so that a prefetch does not
-        bring a version the reader's open will find replaced."""
+        bring a version the reader's open will find replaced; a URL not known yet costs
+        one GET, as for an open."""
 
         async def attempt(latest: ObjectInfo) -> bool:
             if self.resident(latest) is not None:
@@ -327,7 +441,7 @@ class Fetcher:
                 return False
             return True
 
-        return await self._following_changes(await self.info(info.url, revalidate=True), attempt)
+        return await self._following_changes(url, PREFETCH, attempt, revalidate=True)
 
     def _join(self, sid: str, info: ObjectInfo, priority: int) -> asyncio.Task[Shard]:
         """The download of ``sid`` under way, or a new one at ``priority``."""
@@ -338,8 +452,13 @@ class Fetcher:
 
     def _start(self, sid: str, info: ObjectInfo, priority: int) -> asyncio.Task[Shard]:
         task = asyncio.create_task(self._fetch(sid, info, priority), name=f"fetch {info.url}")
+        self._track(sid, info.url, task)
+        return task
+
+    def _track(self, sid: str, url: str, task: asyncio.Task[Shard]) -> None:
+        """Register ``task`` as the download of ``sid``: others join it, until it ends."""
         self._inflight[sid] = task
-        self._urls[sid] = info.url
+        self._urls[sid] = url
 
         def forget(done: asyncio.Task[Shard]) -> None:
             if self._inflight.get(sid) is done:  # not a newer download of the same shard
@@ -347,16 +466,27 @@ class Fetcher:
                 self._urls.pop(sid, None)
 
         task.add_done_callback(forget)
-        return task
 
     async def _fetch(self, sid: str, info: ObjectInfo, priority: int) -> Shard:
-        tier = info.tier
+        """Download a shard whose version is known: a slot, room, a GET (``If-Match``)."""
         await self._slots.acquire(priority, sid)
+        try:
+            return await self._download(sid, info, priority)
+        finally:
+            self._slots.release()
+
+    async def _download(
+        self, sid: str, info: ObjectInfo, priority: int, opened: Opened | None = None
+    ) -> Shard:
+        """Reserve room for the shard and stream it in, from ``opened``'s body if given,
+        for a caller that holds a download slot; counted, logged, and promoted from the
+        cold tier if that is asked for."""
+        tier = info.tier
         started = time.monotonic()
         try:
-            writer = await self.hot.reserve(sid, info, prefetch=priority == PREFETCH)
+            writer = await self._reserve(sid, info, priority, opened)
             try:
-                await self.sources.fetch(info, writer.write, rewind=writer.rewind)
+                await self.sources.fetch(info, writer.write, rewind=writer.rewind, opened=opened)
                 shard = await writer.publish()
             except BaseException:
                 writer.abort()
@@ -375,8 +505,6 @@ class Fetcher:
         except OSError as exc:
             self.metrics.fetches.labels(tier, "OSError").inc()
             raise FetchError(f"writing {info.url} to the hot tier failed: {exc}") from exc
-        finally:
-            self._slots.release()
         self.metrics.fetches.labels(tier, "ok").inc()
         self.metrics.fetched_bytes.labels(tier).inc(info.size)
         self.metrics.fetch_seconds.observe(time.monotonic() - started)
@@ -390,6 +518,24 @@ class Fetcher:
         if self.sources.promote_enabled(info):
             self._promote(shard, info)
         return shard
+
+    async def _reserve(
+        self, sid: str, info: ObjectInfo, priority: int, opened: Opened | None
+    ) -> ShardWriter:
+        """Room for the shard in the hot tier, before any byte lands (the hard bound).
+
+        A GET that has answered does not wait for room: its connection would sit for up
+        to ``pin_wait_s`` with the store sending into it. Without room at once its body
+        is closed unread, and the bytes come with a new GET (``If-Match``) once there is
+        room. A prefetch never waits (:class:`NotAdmitted`; the caller closes the body).
+        """
+        prefetch = priority == PREFETCH
+        if opened is not None and not prefetch:
+            try:
+                return await self.hot.reserve(sid, info, wait_s=0)
+            except CacheFull:
+                opened.close()
+        return await self.hot.reserve(sid, info, prefetch=prefetch)
 
     def _promote(self, shard: Shard, info: ObjectInfo) -> None:
         """Write a shard read from the cold tier back to the warm tier, in the background,
@@ -417,7 +563,10 @@ class Fetcher:
         waits on them and before the sources close, so none outlives the S3 client."""
         # The background checks stop at their next read; their threads are not waited for.
         self.hot.close()
-        tasks = [t for t in (*self._inflight.values(), self._checks) if t and not t.done()]
+        openings = (o.task for o in self._opening.values())
+        tasks = {
+            t for t in (*self._inflight.values(), *openings, self._checks) if t and not t.done()
+        }
         for task in tasks:
             task.cancel()
         if tasks:

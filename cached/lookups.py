@@ -5,6 +5,8 @@ replaced object is a new shard. Asking the store (one HEAD) at every open would 
 round trip before every hit, so an answer is trusted for ``[s3] revalidate_s``; an open
 after that asks again, and a new version is fetched and served from then on. Reads
 (which follow an open) and the prefetcher take the answer as it is, whatever its age.
+An answer is a HEAD's (:meth:`Lookups.get`) or the headers of the GET that fetches the
+object (:meth:`Lookups.remember`, from the fetcher): a cold object costs no HEAD.
 
 While the store is unreachable (:class:`StoreUnavailable`) the hot tier's copy answers
 for itself, from its sidecar: a resident shard is served as it is, without a HEAD per
@@ -35,18 +37,19 @@ log = logging.getLogger(__name__)
 PROBE_S = 2.0
 # Answers remembered at most, least recently used dropped first: clients name the URLs, so
 # this state must have a bound other than time (~100 MB at the bound). A dropped answer
-# costs one HEAD when the URL comes back.
+# costs one request when the URL comes back.
 MAX_ANSWERS = 262_144
 
 
 @dataclass(frozen=True)
 class _Answer:
     info: ObjectInfo
-    at: float  # time.monotonic() of the HEAD
+    at: float  # time.monotonic() of the answer
 
 
 class Lookups:
-    """HEADs, deduplicated and remembered; resident copies stand in during an outage.
+    """The store's answers (HEADs, deduplicated, and the fetcher's GETs' headers),
+    remembered; resident copies stand in during an outage.
 
     ``head(url)`` asks the store; ``offline(url)`` is the resident shard's info, if the
     hot tier holds the URL and knows its origin; ``on_answer(info)`` hears every answer.
@@ -66,6 +69,7 @@ class Lookups:
         self._on_answer = on_answer
         self.health = StoreHealth()
         self._answers: OrderedDict[str, _Answer] = OrderedDict()
+        self._answer_bytes = 0  # the sum of the remembered objects' sizes
         self._heads: dict[str, asyncio.Task[ObjectInfo]] = {}
         self._probe: asyncio.Task[None] | None = None
 
@@ -77,12 +81,9 @@ class Lookups:
         answers without a HEAD. Raises what the HEAD raises when nothing can answer
         (:class:`ObjectNotFound` always: the store said so).
         """
-        known = self._answers.get(url)
-        if known is not None and (
-            not revalidate or time.monotonic() - known.at < self.revalidate_s
-        ):
-            self._answers.move_to_end(url)
-            return known.info
+        known = self.fresh(url, revalidate=revalidate)
+        if known is not None:
+            return known
         if not self.health.reachable:
             resident = self._offline(url)
             if resident is None:
@@ -94,8 +95,7 @@ class Lookups:
             return resident
         try:
             info = await self._ask(url)
-        except StoreUnavailable as exc:
-            self.unreachable(exc, url)
+        except StoreUnavailable:
             resident = self._offline(url)
             if resident is None:
                 raise
@@ -103,9 +103,57 @@ class Lookups:
             return resident
         return info
 
+    def fresh(self, url: str, *, revalidate: bool = False) -> ObjectInfo | None:
+        """The answer known about ``url`` if it may be used without asking: any, or with
+        ``revalidate`` (an open) one younger than ``revalidate_s``. Keeps it among the
+        most recently used."""
+        known = self._answers.get(url)
+        if known is None or (revalidate and time.monotonic() - known.at >= self.revalidate_s):
+            return None
+        self._answers.move_to_end(url)
+        return known.info
+
+    def remember(self, info: ObjectInfo) -> None:
+        """The store described ``info`` (a HEAD, or a GET's headers): it answers, the
+        answer is known from now on (see :meth:`fresh`), ``on_answer`` hears it, and a
+        version that moved is logged."""
+        self.health.answered()
+        previous = self._answers.pop(info.url, None)
+        if previous is not None:
+            self._answer_bytes -= previous.info.size
+            if previous.info.version != info.version:
+                log.info(
+                    "%s changed in the store (version %s -> %s): the new version is served "
+                    "from now on",
+                    info.url,
+                    previous.info.version,
+                    info.version,
+                )
+        self._answers[info.url] = _Answer(info, time.monotonic())
+        self._answer_bytes += info.size
+        while len(self._answers) > MAX_ANSWERS:
+            _, dropped = self._answers.popitem(last=False)
+            self._answer_bytes -= dropped.info.size
+        if self._on_answer is not None:
+            self._on_answer(info)
+
+    def failed(self, url: str, error: CachedError) -> None:
+        """A request about ``url`` failed before the store described it: the store is
+        unreachable (:class:`StoreUnavailable`), or it answered no (404, 403)."""
+        if isinstance(error, StoreUnavailable):
+            self.unreachable(error, url)
+        else:
+            self.health.answered()
+
+    def typical_size_bytes(self) -> int | None:
+        """The mean size of the objects whose answers are known; None while none is."""
+        return self._answer_bytes // len(self._answers) if self._answers else None
+
     def forget(self, url: str) -> None:
         """Drop what is known of ``url`` (a fetch of it failed, or it changed)."""
-        self._answers.pop(url, None)
+        known = self._answers.pop(url, None)
+        if known is not None:
+            self._answer_bytes -= known.info.size
 
     def unreachable(self, error: BaseException, url: str) -> None:
         """A request for ``url`` found the store unreachable (HEAD or download)."""
@@ -122,29 +170,14 @@ class Lookups:
         return await asyncio.shield(task)
 
     async def _head_once(self, url: str) -> ObjectInfo:
-        """One HEAD; its answer is remembered, reported and logged if the version moved."""
+        """One HEAD; its answer is remembered (:meth:`remember`), its failure judged
+        (:meth:`failed`)."""
         try:
             info = await self._head(url)
-        except StoreUnavailable:
+        except CachedError as exc:
+            self.failed(url, exc)
             raise
-        except CachedError:
-            self.health.answered()  # a 404 or 403 is an answer
-            raise
-        self.health.answered()
-        previous = self._answers.get(url)
-        if previous is not None and previous.info.version != info.version:
-            log.info(
-                "%s changed in the store (version %s -> %s): the new version is served from now on",
-                url,
-                previous.info.version,
-                info.version,
-            )
-        self._answers[url] = _Answer(info, time.monotonic())
-        self._answers.move_to_end(url)
-        while len(self._answers) > MAX_ANSWERS:
-            self._answers.popitem(last=False)
-        if self._on_answer is not None:
-            self._on_answer(info)
+        self.remember(info)
         return info
 
     async def _probing(self, url: str) -> None:

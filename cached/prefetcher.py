@@ -5,7 +5,8 @@ across all streams, each stream's distance scaled by its read rate) and counts t
 of the shards it passes, resident or not, until ``[prefetch] lookahead`` is reached; every
 shard in that window that is not resident is fetched at prefetch priority. The eviction
 policy admits a prefetch only if it displaces shards needed later than the one it brings
-(:meth:`HotTier.reserve`), so prefetch cannot thrash the hot tier.
+(:meth:`HotTier.reserve`), so prefetch cannot thrash the hot tier. A shard not fetched yet
+counts at an estimate: no HEAD asks its size, its GET tells it (docs/decisions.md, D27).
 
 Fairness: prefetches take at most ``concurrency - 1`` download slots (the fetcher keeps
 one for demand misses, which are also served first from the queue), so a job's lookahead
@@ -17,7 +18,6 @@ more sooner.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import time
@@ -36,8 +36,6 @@ RESCAN_S = 1.0
 # A shard whose prefetch failed is not tried again for this long (its readers will ask on
 # demand, and get the error).
 RETRY_AFTER_S = 30.0
-# Sizes of the window's shards are looked up this many at a time.
-HEAD_BATCH = 16
 # A URL whose lookup failed (missing, denied, the store down) is left out of the window
 # for this long, doubling with each further failure up to the cap: one bad URL in one
 # plan must not stop prefetch for every plan on the node, nor be asked for at every scan.
@@ -106,47 +104,38 @@ class Prefetcher:
         # URLs that clients stopped naming do not accumulate.
         stale = now - LOOKUP_BACKOFF_MAX_S
         self._unknown = {u: entry for u, entry in self._unknown.items() if entry[0] > stale}
-        for when, url, info in await self._window(self.planner.upcoming()):
-            if self.fetcher.resident(info) is not None:
+        for when, url, info in self._window(self.planner.upcoming()):
+            if info is not None and self.fetcher.resident(info) is not None:
                 continue
             lead = min(lead, when)
-            if self.fetcher.fetching(info) or self._failed.get(url, 0.0) > now:
+            if self.fetcher.fetching(url) or self._failed.get(url, 0.0) > now:
                 continue
             if len(self._active) >= self.limit:
                 break
-            self._active[url] = asyncio.create_task(self._prefetch(info), name=f"prefetch {url}")
+            task = self._prefetch(url, looked_up=info is not None)
+            self._active[url] = asyncio.create_task(task, name=f"prefetch {url}")
         self.lead_s = lead
 
-    async def _window(
+    def _window(
         self, upcoming: Iterator[tuple[float, str]]
-    ) -> list[tuple[float, str, ObjectInfo]]:
+    ) -> list[tuple[float, str, ObjectInfo | None]]:
         """The planned shards, soonest first, until their bytes reach the lookahead (the
-        shard that crosses it included), with their sizes: HEADs (once per URL) go out in
-        batches, not one round trip after another."""
-        out: list[tuple[float, str, ObjectInfo]] = []
+        shard that crosses it included), with what is known of them. Nothing is asked of
+        the store: a shard not fetched yet counts as the mean size of those known (its GET
+        corrects it), or, while none is known, as the share of the lookahead that lets the
+        window hold as many shards as may be prefetched at once."""
+        out: list[tuple[float, str, ObjectInfo | None]] = []
         budget = self.lookahead_bytes
         now = time.monotonic()
-        looked_up = (
-            (when, url) for when, url in upcoming if self._unknown.get(url, (0.0, 0.0))[0] <= now
-        )
-        while budget > 0:
-            batch = list(itertools.islice(looked_up, HEAD_BATCH))
-            if not batch:
+        guess = self.fetcher.typical_size_bytes() or max(1, self.lookahead_bytes // self.limit)
+        for when, url in upcoming:
+            if budget <= 0:
                 break
-            infos = await asyncio.gather(
-                *(self.fetcher.info(url) for _, url in batch), return_exceptions=True
-            )
-            for (when, url), info in zip(batch, infos, strict=True):
-                if isinstance(info, CachedError):
-                    self._lookup_failed(url, info)
-                    continue
-                if isinstance(info, BaseException):
-                    raise info  # a bug or a cancellation, not a bad URL
-                self._unknown.pop(url, None)
-                if budget <= 0:
-                    break
-                out.append((when, url, info))
-                budget -= info.size
+            if self._unknown.get(url, (0.0, 0.0))[0] > now:
+                continue
+            info = self.fetcher.known(url)
+            out.append((when, url, info))
+            budget -= guess if info is None else info.size
         return out
 
     def _lookup_failed(self, url: str, exc: CachedError) -> None:
@@ -161,18 +150,23 @@ class Prefetcher:
         self._unknown[url] = (time.monotonic() + backoff, backoff)
         self.metrics.prefetches.labels("lookup_failed").inc()
 
-    async def _prefetch(self, info: ObjectInfo) -> None:
+    async def _prefetch(self, url: str, *, looked_up: bool) -> None:
         try:
-            resident = await self.fetcher.prefetch(info)
+            resident = await self.fetcher.prefetch(url)
+            self._unknown.pop(url, None)
             self.metrics.prefetches.labels("ok" if resident else "not_admitted").inc()
             if not resident:
                 # Not admitted: nothing resident may give way to it yet. Readers' progress
                 # changes that; until then do not ask again at every scan.
-                self._failed[info.url] = time.monotonic() + RESCAN_S
+                self._failed[url] = time.monotonic() + RESCAN_S
         except CachedError as exc:
+            if not looked_up:
+                # Its GET was its first lookup (missing, denied, the store down).
+                self._lookup_failed(url, exc)
+                return
             self.metrics.prefetches.labels("failed").inc()
-            self._failed[info.url] = time.monotonic() + RETRY_AFTER_S
-            log.warning("prefetch of %s failed: %s", info.url, exc)
+            self._failed[url] = time.monotonic() + RETRY_AFTER_S
+            log.warning("prefetch of %s failed: %s", url, exc)
         finally:
-            self._active.pop(info.url, None)
+            self._active.pop(url, None)
             self._wake.set()

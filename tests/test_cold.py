@@ -112,6 +112,27 @@ async def test_object_only_in_the_cold_bucket_is_served(
     assert s3_server.count("GET", f"/{bucket}/") == 0
 
 
+@pytest.mark.parametrize("size", [SMALL, MID], ids=["one-get", "ranged-gets"])
+async def test_open_finds_the_cold_copy_with_one_get_per_tier_and_no_head(
+    s3_server: S3Server, bucket: str, cold_bucket: str, make_chain: ChainFactory, size: int
+) -> None:
+    body = payload(size)
+    s3_server.put(cold_bucket, "archive/2024/o.tar", body)
+    url = f"s3://{bucket}/train/o.tar"
+    async with make_chain(s3_cold(bucket, cold_bucket)) as chain:
+        described = await chain.head(url)
+        s3_server.reset_counts()
+        async with await chain.open(url) as opened:
+            assert opened.info == described  # relabelled as head's answer: url, tier, source
+            sink = Collect()
+            await chain.fetch(opened.info, sink, opened=opened)
+    assert sink.data == body
+    # The warm miss was one GET (404); the cold copy's GET was the download's first.
+    assert s3_server.count("GET", f"/{bucket}/") == 1
+    assert s3_server.count("GET", f"/{cold_bucket}/") == -(-size // PART)
+    assert s3_server.count("HEAD", "/") == 0
+
+
 async def test_warm_hit_never_asks_the_cold_tier(
     s3_server: S3Server, bucket: str, cold_bucket: str, make_chain: ChainFactory
 ) -> None:
@@ -207,6 +228,11 @@ async def test_archived_object_without_cold_tier_says_what_to_do(
         assert "restore it" in str(caught.value) and "[cold]" in str(caught.value)
         assert isinstance(caught.value, ObjectNotFound)
         assert caught.value.code == ErrorCode.NOT_FOUND
+        # Opened with a GET (a cold miss asks no HEAD first), it says the same: the 403
+        # InvalidObjectState is followed by a HEAD, which tells a restore under way.
+        with pytest.raises(ObjectArchived) as opened:
+            await chain.open(url)
+        assert str(opened.value) == str(caught.value)
         # A GET of it (an ObjectInfo from before it was archived) fails the same way: S3
         # answers 403 InvalidObjectState, which must not read as "access denied".
         stale = ObjectInfo(url=url, endpoint=s3_server.endpoint_url, size=10, version="v")
@@ -352,14 +378,6 @@ async def test_promotion_from_an_archive_path(
 
 
 # --- S3Source.put on its own ---------------------------------------------------------
-
-
-@pytest.fixture
-def proxy(s3_server: S3Server) -> Any:
-    """The fault proxy; it takes request bodies up to 1 MiB, so uploads through it are
-    one-part multipart uploads (``MID`` is above ``part_size``, below S3's part floor)."""
-    with FaultProxy.start(s3_server.endpoint_url) as p:
-        yield p
 
 
 async def test_put_retries_a_failed_part(

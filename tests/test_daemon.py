@@ -382,6 +382,9 @@ def test_the_free_space_floor_refuses_downloads(
             conn.request({"op": "open", "url": urls[0], "stream": "s"})
         assert info.value.code == ErrorCode.CACHE_FULL and urls[0] in str(info.value)
         assert conn.request({"op": "status"})[0]["status"]["hot"]["shards"] == 0
-    assert s3_server.count("GET", bucket) == 0
+    # One request: the GET whose headers gave the size; its body was closed unread, and
+    # no second GET came after the wait for room (nor a HEAD before).
+    assert s3_server.count("GET", bucket) == 1
+    assert s3_server.count("HEAD", bucket) == 0
     # Nothing but the daemon's lock file (cached/lock.py).
     assert [p.name for p in (tmp_path / "hot").iterdir()] == [".lock"]

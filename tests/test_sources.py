@@ -9,7 +9,7 @@ import random
 import re
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from botocore import exceptions as boto_exc
 from cached.config import S3Config
 from cached.errors import FetchError, FetchTimeout, ObjectNotFound, VerifyError
 from cached.sources import Sources
-from cached.sources.base import ObjectInfo
+from cached.sources.base import ObjectInfo, Opened
 from cached.sources.file import FileSource
 from cached.sources.retry import (
     CONNECTION,
@@ -79,12 +79,6 @@ def payload(n: int, seed: int = 0) -> bytes:
 def aio_session() -> Any:
     """One botocore session for the module: its parsed service models are reused."""
     return AioSession()
-
-
-@pytest.fixture
-def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
-    with FaultProxy.start(s3_server.endpoint_url) as p:
-        yield p
 
 
 @pytest.fixture
@@ -252,20 +246,32 @@ async def test_head_is_retried_too(
     assert reasons == [THROTTLED, SERVER_ERROR]
 
 
+@pytest.mark.parametrize("asked", ["head", "open"])
 async def test_streamed_get_resumes_where_the_cut_was(
-    via_proxy: S3Source, proxy: FaultProxy, s3_server: S3Server, bucket: str
+    via_proxy: S3Source, proxy: FaultProxy, s3_server: S3Server, bucket: str, asked: str
 ) -> None:
+    """After a HEAD, or from the body of the GET that described the object (open)."""
     body = payload(SMALL)
     s3_server.put(bucket, "obj.tar", body)
-    info = await via_proxy.head(f"s3://{bucket}/obj.tar")
     proxy.inject("cut", after_bytes=20_000, linger_s=0.2)
-    assert await fetch_bytes(via_proxy, info) == body
+    info, data = await described_and_fetched(via_proxy, f"s3://{bucket}/obj.tar", asked)
+    assert data == body
     first, second = proxy.requests("GET")
     assert first.range is None
     # Only the bytes the sink has not seen are asked for, still pinned to the version.
     # (All 20000 sent bytes arrive unless the test machine stalls the reader for 0.2 s.)
     assert second.range == f"bytes=20000-{SMALL - 1}"
     assert second.if_match == f'"{info.etag}"'
+
+
+async def described_and_fetched(src: S3Source, url: str, asked: str) -> tuple[ObjectInfo, bytes]:
+    """The object's description and bytes: a HEAD then a fetch, or an open and a fetch
+    from its body."""
+    if asked == "head":
+        info = await src.head(url)
+        return info, await fetch_bytes(src, info)
+    async with await src.open(url) as opened:
+        return opened.info, await fetch_opened(src, opened)
 
 
 async def test_a_failed_part_is_retried_alone(
@@ -280,6 +286,108 @@ async def test_a_failed_part_is_retried_alone(
     assert len(gets) == 6  # 5 parts, one of them twice
     cut = next(g for g in gets if g.fault == "cut")
     assert [g.range for g in gets].count(cut.range) == 2
+
+
+# --- a GET that answers for the HEAD: open, then fetch from its body ------------------
+
+
+@pytest.mark.parametrize("checksum", ["CRC32", "CRC64NVME", None])
+@pytest.mark.parametrize("size", [SMALL, MID], ids=["single-get", "ranged"])
+async def test_open_describes_the_object_as_head_does_and_its_body_is_the_download(
+    *,
+    via_proxy: S3Source,
+    proxy: FaultProxy,
+    s3_server: S3Server,
+    bucket: str,
+    size: int,
+    checksum: str | None,
+) -> None:
+    body = payload(size)
+    s3_server.put(bucket, "obj.tar", body, checksum=checksum)
+    url = f"s3://{bucket}/obj.tar"
+    described = await via_proxy.head(url)
+    async with await via_proxy.open(url) as opened:
+        # Size, ETag and the store's own checksum (D24) come with the GET's headers.
+        assert opened.info == described
+        sink = Collect()
+        await via_proxy.fetch(opened.info, sink, opened=opened)
+    assert sink.data == body
+    first, *rest = proxy.requests("GET")
+    assert (first.range, first.if_match) == (None, None)
+    # Above one part the first part comes from the opening GET, the others as before:
+    # ranged, pinned to the ETag its headers gave.
+    assert len(rest) == -(-size // PART) - 1
+    assert all(g.range and g.if_match == f'"{described.etag}"' for g in rest)
+    assert len(proxy.requests("HEAD")) == 1  # the test's own
+
+
+async def test_a_cut_in_an_opened_gets_first_part_retries_that_part_alone(
+    via_proxy: S3Source, proxy: FaultProxy, s3_server: S3Server, bucket: str
+) -> None:
+    body = payload(MID)
+    s3_server.put(bucket, "big.tar", body)
+    proxy.inject("cut", after_bytes=1000)
+    async with await via_proxy.open(f"s3://{bucket}/big.tar") as opened:
+        assert await fetch_opened(via_proxy, opened) == body
+    gets = proxy.requests("GET")
+    assert len(gets) == 6  # the opening GET, its first part again, 4 more parts
+    assert (gets[0].range, gets[0].fault) == (None, "cut")
+    assert [g.range for g in gets].count(f"bytes=0-{PART - 1}") == 1
+
+
+async def test_corrupted_bytes_of_an_opened_get_are_fetched_again_whole(
+    via_proxy: S3Source, proxy: FaultProxy, s3_server: S3Server, bucket: str
+) -> None:
+    body = payload(SMALL)
+    s3_server.put(bucket, "obj.tar", body)
+    proxy.inject("corrupt", offset=1234)
+    sink = Collect()
+
+    async def rewind() -> None:
+        sink.chunks.clear()
+
+    async with await via_proxy.open(f"s3://{bucket}/obj.tar") as opened:
+        assert opened.info.checksum is not None  # the CRC32 from the GET's headers
+        await via_proxy.fetch(opened.info, sink, rewind=rewind, opened=opened)
+    assert sink.data == body
+    first, again = proxy.requests("GET")
+    assert first.fault == "corrupt" and again.range is None and again.if_match
+
+
+async def test_an_opened_get_closed_unread_drops_its_connection(
+    via_proxy: S3Source, proxy: FaultProxy, s3_server: S3Server, bucket: str
+) -> None:
+    """Its body is not read: the connection is dropped, not left for the proxy to fill."""
+    s3_server.put(bucket, "big.tar", payload(8 << 20))
+    async with await via_proxy.open(f"s3://{bucket}/big.tar") as opened:
+        assert opened.info.size == 8 << 20
+        assert proxy.in_flight == 1  # the store is sending the body
+    assert await asyncio.to_thread(settles, lambda: proxy.in_flight == 0)
+
+
+def settles(check: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    """Whether ``check()`` comes true within ``timeout_s`` (polled; call it in a thread)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+async def test_opening_a_missing_key_is_object_not_found_after_one_request(
+    direct: S3Source, s3_server: S3Server, bucket: str, reasons: list[str]
+) -> None:
+    with pytest.raises(ObjectNotFound, match="check the URL"):
+        await direct.open(f"s3://{bucket}/missing.tar")
+    assert s3_server.count("GET", bucket) == 1
+    assert reasons == []
+
+
+async def fetch_opened(src: S3Source, opened: Opened) -> bytes:
+    sink = Collect()
+    await src.fetch(opened.info, sink, opened=opened)
+    return sink.data
 
 
 # --- budgets run out ------------------------------------------------------------------

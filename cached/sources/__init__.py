@@ -13,16 +13,17 @@ from cached_client.urls import parse
 
 from ..config import S3Config
 from ..errors import FetchError
-from .base import ObjectInfo, OwnsStack, Rewind, Sink, Source
+from .base import ObjectInfo, Opened, OwnsStack, Rewind, Sink, Source
 from .file import FileSource
 from .retry import OnRetry
 from .s3 import S3Source
 
-__all__ = ["FileSource", "ObjectInfo", "S3Source", "Sink", "Source", "Sources"]
+__all__ = ["FileSource", "ObjectInfo", "Opened", "S3Source", "Sink", "Source", "Sources"]
 
 
 class Sources(OwnsStack):
-    """Every remote tier behind one ``head``/``fetch``, dispatching on the URL scheme.
+    """Every remote tier behind one ``head``/``open``/``fetch``, dispatching on the URL
+    scheme.
 
     ``async with Sources(cfg.s3, on_retry=...) as sources:``. The S3 client is created
     on the first ``s3://`` URL, so a daemon that only reads ``file://`` shards never
@@ -70,6 +71,18 @@ class Sources(OwnsStack):
         """Look ``url`` up in its tier (see :meth:`Source.head`)."""
         return await (await self.source_for(url)).head(url)
 
-    async def fetch(self, info: ObjectInfo, sink: Sink, *, rewind: Rewind | None = None) -> None:
+    async def open(self, url: str) -> Opened:
+        """Start reading ``url`` from its tier (see :meth:`Source.open`)."""
+        return await (await self.source_for(url)).open(url)
+
+    async def fetch(
+        self,
+        info: ObjectInfo,
+        sink: Sink,
+        *,
+        rewind: Rewind | None = None,
+        opened: Opened | None = None,
+    ) -> None:
         """Stream ``info.url`` from its tier into ``sink`` (see :meth:`Source.fetch`)."""
-        await (await self.source_for(info.url)).fetch(info, sink, rewind=rewind)
+        source = await self.source_for(info.url)
+        await source.fetch(info, sink, rewind=rewind, opened=opened)

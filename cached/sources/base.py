@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..errors import FetchError
 
@@ -54,6 +54,48 @@ class ObjectInfo:
         return self.source_url or self.url
 
 
+class Opened:
+    """An object whose GET has answered with its headers and whose body is not read yet:
+    ``info`` (what the headers say, as a HEAD would) and the response to stream it from.
+
+    ``async with await source.open(url) as opened:``; leaving closes a body that nobody
+    took (:meth:`take`), which drops its connection without reading the rest. So one GET
+    both describes an object and brings its bytes; a caller that finds it needs no bytes
+    (the version is resident already) pays no download.
+    """
+
+    def __init__(self, info: ObjectInfo, response: Any = None) -> None:
+        # Mutable: a tier chain relabels what its cold tier found (ObjectInfo.url).
+        self.info = info
+        self._response = response
+
+    def take(self) -> Any:
+        """The response, once (the taker streams and closes it); None after that, or if
+        the source holds none (a file) or it was closed."""
+        response, self._response = self._response, None
+        return response
+
+    def close(self) -> None:
+        """Close the body unless it was taken; the connection is dropped, not reused."""
+        response = self.take()
+        if response is not None:
+            self._discard(response)
+
+    def _discard(self, response: Any) -> None:
+        """Release a response nobody reads (the source's kind of response)."""
+
+    async def __aenter__(self) -> Opened:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
 class Source(Protocol):
     """A remote tier: look an object up, then stream it in order into a sink."""
 
@@ -61,9 +103,23 @@ class Source(Protocol):
         """Return the object's size and version. Raises ``ObjectNotFound`` or ``FetchError``."""
         ...
 
-    async def fetch(self, info: ObjectInfo, sink: Sink, *, rewind: Rewind | None = None) -> None:
+    async def open(self, url: str) -> Opened:
+        """Start reading the object: its description as :meth:`head` gives it, from the
+        answer that also carries its bytes (one request, not two). Raises as :meth:`head`."""
+        ...
+
+    async def fetch(
+        self,
+        info: ObjectInfo,
+        sink: Sink,
+        *,
+        rewind: Rewind | None = None,
+        opened: Opened | None = None,
+    ) -> None:
         """Stream the object's bytes, in order, into ``sink``; verify size and checksum.
 
+        ``opened``: the :meth:`open` that described ``info``; its body is streamed
+        rather than asking again (the caller still closes it, if it is not taken).
         Retries transient failures within a bounded budget. With ``rewind``, a body that
         fails its checksum is fetched again whole, within the same budget, after
         ``rewind()``. Raises ``VerifyError`` on a size or checksum mismatch,

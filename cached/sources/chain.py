@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..config import ColdConfig, S3Config
 from ..errors import FetchError, ObjectArchived, ObjectNotFound
 from . import Sources
-from .base import ObjectInfo, OwnsStack, Rewind, Sink, Source
+from .base import ObjectInfo, Opened, OwnsStack, Rewind, Sink, Source
 from .retry import OnRetry
 from .s3 import S3Source
 
@@ -29,9 +30,20 @@ __all__ = ["COLD", "WARM", "TierChain"]
 WARM = "warm"
 COLD = "cold"
 
+T = TypeVar("T")
+
+
+async def _head(source: Source, url: str) -> ObjectInfo:
+    return await source.head(url)
+
+
+async def _open(source: Source, url: str) -> Opened:
+    return await source.open(url)
+
 
 class TierChain(OwnsStack):
-    """The remote tiers in order, behind one ``head``/``fetch`` (what the fetcher uses).
+    """The remote tiers in order, behind one ``head``/``open``/``fetch`` (what the
+    fetcher uses).
 
     ``async with TierChain(cfg.s3, cfg.cold, on_retry=...) as tiers:``. The warm tier is
     a :class:`~cached.sources.Sources` router (by scheme). The cold tier, if ``cold`` is
@@ -110,31 +122,54 @@ class TierChain(OwnsStack):
         archived too), and whatever the warm tier raised when the cold tier does not
         cover ``url``.
         """
+        info, cold_url = await self._find(url, _head)
+        return info if cold_url is None else _as_cold(info, url, cold_url)
+
+    async def open(self, url: str) -> Opened:
+        """Start reading ``url`` (see :meth:`Source.open`) from the tier :meth:`head`
+        would find it in; its ``info`` is what :meth:`head` would return."""
+        opened, cold_url = await self._find(url, _open)
+        if cold_url is not None:
+            opened.info = _as_cold(opened.info, url, cold_url)
+        return opened
+
+    async def _find(
+        self, url: str, ask: Callable[[Source, str], Awaitable[T]]
+    ) -> tuple[T, str | None]:
+        """``ask`` the warm tier about ``url``, then, on a miss the cold tier covers, the
+        cold tier about its copy; with the cold URL when the cold tier answered."""
         try:
-            return await self._warm.head(url)
+            return await ask(self._warm, url), None
         except ObjectNotFound as warm_miss:
             cold_url = self._cold_cfg.cold_url(url)
             if cold_url is None:
                 raise
             source = await self._cold_source(cold_url)
             try:
-                info = await source.head(cold_url)
+                return await ask(source, cold_url), cold_url
             except ObjectNotFound as cold_miss:
                 kind = ObjectArchived if isinstance(cold_miss, ObjectArchived) else ObjectNotFound
                 raise kind(
                     f"{url}: not in the warm tier nor in the cold tier at {cold_url} "
                     f"(warm: {warm_miss}; cold: {cold_miss})"
                 ) from cold_miss
-        return dataclasses.replace(info, url=url, source_url=cold_url, tier=COLD)
 
-    async def fetch(self, info: ObjectInfo, sink: Sink, *, rewind: Rewind | None = None) -> None:
-        """Stream the object from the tier :meth:`head` found it in into ``sink``.
+    async def fetch(
+        self,
+        info: ObjectInfo,
+        sink: Sink,
+        *,
+        rewind: Rewind | None = None,
+        opened: Opened | None = None,
+    ) -> None:
+        """Stream the object from the tier :meth:`head` (or :meth:`open`) found it in
+        into ``sink``.
 
         Reads ``info.source_url or info.url``; see :meth:`Source.fetch` for the
         guarantees and errors (which name the URL actually read).
         """
         if info.source_url is None:
-            await self._warm.fetch(info, sink, rewind=rewind)
+            await self._warm.fetch(info, sink, rewind=rewind, opened=opened)
             return
         source_url = info.source_url
         source = (
@@ -143,7 +178,9 @@ class TierChain(OwnsStack):
             else await self._warm.source_for(source_url)
         )
         # The sources read info.url; hand them the info as the tier itself knows it.
-        await source.fetch(dataclasses.replace(info, url=source_url), sink, rewind=rewind)
+        await source.fetch(
+            dataclasses.replace(info, url=source_url), sink, rewind=rewind, opened=opened
+        )
 
     def promote_enabled(self, info: ObjectInfo) -> bool:
         """Whether a shard fetched with ``info`` should be written back to the warm tier."""
@@ -164,3 +201,8 @@ class TierChain(OwnsStack):
         if not isinstance(warm, S3Source):  # config validation requires an s3:// warm_prefix
             raise FetchError(f"{info.url}: the warm tier is not S3; cannot promote to it")
         await warm.put(info.url, path, info.size, if_absent=True)
+
+
+def _as_cold(info: ObjectInfo, url: str, cold_url: str) -> ObjectInfo:
+    """The cold tier's answer about ``cold_url``, as the answer about ``url``."""
+    return dataclasses.replace(info, url=url, source_url=cold_url, tier=COLD)

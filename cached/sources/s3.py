@@ -3,6 +3,9 @@
 Large objects download as parallel ranged GETs in a sliding window, small ones as one
 streamed GET; both hand the sink their bytes in order and verify size and, where the
 ETag allows, MD5. Every request runs under the bounded retries of :mod:`.retry`.
+:meth:`S3Source.open` describes an object from a GET's headers, whose body
+:meth:`S3Source.fetch` then streams: a cold object costs one request, not a HEAD and a
+GET (docs/decisions.md, D27).
 Objects in an archive storage class that are not restored raise :class:`ObjectArchived`.
 :meth:`S3Source.put` uploads a local file (the cold tier's promotion to the warm tier).
 """
@@ -29,7 +32,7 @@ from cached_client.urls import ShardURL, parse
 from ..config import S3Config
 from ..errors import CachedError, FetchError, ObjectArchived, ObjectNotFound, VerifyError
 from . import checksums
-from .base import ObjectChanged, ObjectInfo, OwnsStack, Rewind, Sink
+from .base import ObjectChanged, ObjectInfo, Opened, OwnsStack, Rewind, Sink
 from .retry import CORRUPT, OnRetry, RetryPolicy, retrying
 
 T = TypeVar("T")
@@ -247,6 +250,39 @@ async def _read(body: Any, amount: int) -> bytes:
     return data
 
 
+async def _read_span(body: Any, length: int) -> bytes:
+    """The next ``length`` bytes of ``body`` (fewer if it ends first), leaving the rest
+    unread: the first part of a whole-object GET."""
+    chunks: list[bytes] = []
+    got = 0
+    while got < length:
+        data = await _read(body, length - got)
+        if not data:
+            break
+        chunks.append(data)
+        got += len(data)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _ask_for_checksum(params: dict[str, Any], **_: Any) -> None:
+    """botocore hook: a whole-object GET asks for the store's full-object checksum.
+
+    A header rather than the ``ChecksumMode`` parameter, which would also make botocore
+    hash the body (the verifier does that, once; D24). Ranged GETs carry no full-object
+    checksum, so they do not ask.
+    """
+    headers = params.setdefault("headers", {})
+    if "Range" not in headers:
+        headers["x-amz-checksum-mode"] = "ENABLED"
+
+
+class _OpenedGet(Opened):
+    """A GET of a whole object whose headers have arrived (see :meth:`S3Source.open`)."""
+
+    def _discard(self, response: Any) -> None:
+        response["Body"].close()
+
+
 async def _request(method: Any, **params: Any) -> dict[str, Any]:
     """Any other client call (the upload ones), with a typed result."""
     response: dict[str, Any] = await method(**params)
@@ -328,6 +364,8 @@ class S3Source(OwnsStack):
                 )
             )
             self._endpoint = str(self._client.meta.endpoint_url)
+            if self._cfg.verify_checksum:
+                self._client.meta.events.register("before-call.s3.GetObject", _ask_for_checksum)
             self._stack = stack.pop_all()
         return self
 
@@ -373,6 +411,34 @@ class S3Source(OwnsStack):
         if archived is not None:
             restore = response.get("Restore")
             raise _archived(url, archived, None if restore is None else str(restore))
+        return self._describe(url, response)
+
+    async def open(self, url: str) -> Opened:
+        """GET the whole object and stop at its headers: the object as :meth:`head`
+        describes it (size, ETag, the store's checksum), and the body, unread, for
+        :meth:`fetch` (``opened=``) to stream. Close it (``async with``) if it is not
+        fetched. Raises as :meth:`head` does.
+        """
+        client = self._require_client()
+        loc = _s3_location(url)
+        try:
+            response = await self._call(
+                f"GET {url}", url, lambda: _get_object(client, Bucket=loc.bucket, Key=loc.key)
+            )
+        except ObjectArchived:
+            # A GET's 403 does not say whether a restore is under way; a HEAD does (it
+            # raises that ObjectArchived). An error path: the extra request is no cost.
+            await self.head(url)
+            raise
+        try:
+            info = self._describe(url, response)
+        except BaseException:
+            response["Body"].close()
+            raise
+        return _OpenedGet(info, response)
+
+    def _describe(self, url: str, response: dict[str, Any]) -> ObjectInfo:
+        """The object as a HEAD's, or a whole-object GET's, headers describe it."""
         size = int(response["ContentLength"])
         etag = str(response.get("ETag", "")).strip('"') or None
         if etag is None:
@@ -388,10 +454,17 @@ class S3Source(OwnsStack):
             size=size,
             version=version,
             etag=etag,
-            checksum=checksums.from_response(response) if verify else None,
+            checksum=checksums.from_response(response) if self._cfg.verify_checksum else None,
         )
 
-    async def fetch(self, info: ObjectInfo, sink: Sink, *, rewind: Rewind | None = None) -> None:
+    async def fetch(
+        self,
+        info: ObjectInfo,
+        sink: Sink,
+        *,
+        rewind: Rewind | None = None,
+        opened: Opened | None = None,
+    ) -> None:
         """Stream the object into ``sink`` in order, then verify size and (plain) MD5.
 
         Objects above ``part_size_bytes`` download as ranged GETs with at most
@@ -400,6 +473,11 @@ class S3Source(OwnsStack):
         mid-download fails with :class:`ObjectChanged` instead of mixing two versions.
         A failed part is retried alone; a failed single GET resumes at the first byte
         the sink has not seen. Exceptions raised by ``sink`` propagate unchanged.
+
+        With ``opened`` (the :meth:`open` that described ``info``) the first attempt
+        reads that GET's body, whole or, above ``part_size_bytes``, its first part (the
+        rest of it is left unread; the other parts come as ranged GETs); retries and
+        the other parts carry ``If-Match`` with the ETag it gave.
 
         A body that fails its checksum (the MD5 of a plain ETag, or an
         ``x-amz-checksum-*`` the store sends) was damaged on the way, in a part that
@@ -413,9 +491,9 @@ class S3Source(OwnsStack):
             verifier = _Verifier(info, self._cfg.verify_checksum)
             try:
                 if info.size > self._cfg.part_size_bytes:
-                    await self._fetch_parts(info, sink, verifier)
+                    await self._fetch_parts(info, sink, verifier, opened)
                 else:
-                    await self._fetch_stream(info, sink, verifier)
+                    await self._fetch_stream(info, sink, verifier, opened)
                 verifier.finish()
                 return
             except _Corrupted as exc:
@@ -580,8 +658,11 @@ class S3Source(OwnsStack):
             params["IfMatch"] = f'"{info.etag}"'
         return params
 
-    async def _fetch_stream(self, info: ObjectInfo, sink: Sink, verifier: _Verifier) -> None:
-        """One GET, streamed in chunks; a retry asks only for the bytes not yet delivered."""
+    async def _fetch_stream(
+        self, info: ObjectInfo, sink: Sink, verifier: _Verifier, opened: Opened | None
+    ) -> None:
+        """One GET, streamed in chunks; a retry asks only for the bytes not yet delivered.
+        The first attempt reads ``opened``'s body if there is one."""
         client = self._client
         chunk = self.chunk_size_bytes
 
@@ -589,9 +670,11 @@ class S3Source(OwnsStack):
             start = verifier.delivered
             if info.size > 0 and start >= info.size:
                 return
-            # The first attempt takes the whole object; a resumed one, the rest of it.
-            params = self._get_params(info, start or None, info.size - 1)
-            response = await _get_object(client, **params)
+            response = opened.take() if opened is not None else None
+            if response is None:
+                # The first attempt takes the whole object; a resumed one, the rest of it.
+                params = self._get_params(info, start or None, info.size - 1)
+                response = await _get_object(client, **params)
             body = response["Body"]
             if not _etag_is_md5(response, self._aws):
                 verifier.not_md5()
@@ -638,18 +721,26 @@ class S3Source(OwnsStack):
         await self._call(f"GET {info.url}", info.url, attempt)
 
     async def _get_part(
-        self, info: ObjectInfo, first: int, last: int, verifier: _Verifier
+        self,
+        info: ObjectInfo,
+        first: int,
+        last: int,
+        verifier: _Verifier,
+        opened: Opened | None = None,
     ) -> bytes:
-        """One ranged GET, retried whole: a part is delivered only once it is complete."""
+        """One ranged GET, retried whole: a part is delivered only once it is complete.
+        The first attempt at the first part reads ``opened``'s body if there is one."""
         client = self._client
         params = self._get_params(info, first, last)
 
         async def attempt() -> bytes:
-            response = await _get_object(client, **params)
+            whole = opened.take() if opened is not None else None
+            response = whole or await _get_object(client, **params)
             if not _etag_is_md5(response, self._aws):
                 verifier.not_md5()
             async with response["Body"] as body:
-                data = await _read(body, -1)
+                # A whole-object GET is read up to the part's end and closed there.
+                data = await (_read_span(body, last - first + 1) if whole else _read(body, -1))
             if len(data) != last - first + 1:
                 raise VerifyError(
                     f"{info.url}: size mismatch in bytes {first}-{last}: expected "
@@ -660,8 +751,11 @@ class S3Source(OwnsStack):
 
         return await self._call(f"GET {info.url} bytes={first}-{last}", info.url, attempt)
 
-    async def _fetch_parts(self, info: ObjectInfo, sink: Sink, verifier: _Verifier) -> None:
-        """Ranged GETs in a sliding window: start parts ahead, hand them over in order."""
+    async def _fetch_parts(
+        self, info: ObjectInfo, sink: Sink, verifier: _Verifier, opened: Opened | None
+    ) -> None:
+        """Ranged GETs in a sliding window: start parts ahead, hand them over in order.
+        The first part comes from ``opened``'s body if there is one."""
         size, step = info.size, self._cfg.part_size_bytes
         ranges = ((a, min(a + step, size) - 1) for a in range(0, size, step))
         window: deque[asyncio.Task[bytes]] = deque()
@@ -669,7 +763,8 @@ class S3Source(OwnsStack):
         def start_next() -> None:
             span = next(ranges, None)
             if span is not None:
-                window.append(asyncio.create_task(self._get_part(info, *span, verifier)))
+                whole = opened if span[0] == 0 else None
+                window.append(asyncio.create_task(self._get_part(info, *span, verifier, whole)))
 
         try:
             for _ in range(self._cfg.part_concurrency):

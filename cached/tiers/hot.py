@@ -519,13 +519,19 @@ class HotTier:
     # -- writing -----------------------------------------------------------------------------
 
     async def reserve(
-        self, shard_id: str, info: ObjectInfo, *, prefetch: bool = False
+        self,
+        shard_id: str,
+        info: ObjectInfo,
+        *,
+        prefetch: bool = False,
+        wait_s: float | None = None,
     ) -> ShardWriter:
         """Account room for the object ``info`` describes, evicting others, and open its
         writer.
 
-        Waits up to ``pin_wait_s`` for pinned or in-flight shards to make room; raises
-        :class:`CacheFull` after that, or at once when the shard can never fit.
+        Waits up to ``wait_s`` (default ``pin_wait_s``; 0: not at all) for pinned or
+        in-flight shards to make room; raises :class:`CacheFull` after that, or at once
+        when the shard can never fit.
 
         A ``prefetch`` never waits and evicts only what the policy admits (shards needed
         later than this one); it raises :class:`NotAdmitted` without evicting anything
@@ -546,7 +552,7 @@ class HotTier:
             for victim in victims:
                 self._evict(victim)
             return self._open_writer(shard_id, info, need)
-        deadline = time.monotonic() + self.pin_wait_s
+        deadline = time.monotonic() + (self.pin_wait_s if wait_s is None else wait_s)
         while not self._make_room(need):
             left = deadline - time.monotonic()
             if left <= 0:

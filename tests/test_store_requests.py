@@ -1,0 +1,198 @@
+"""What the daemon asks the store: one GET per cold shard, whose headers stand in for the
+HEAD that used to come first (docs/decisions.md, D27), and a HEAD only to revalidate a
+shard the hot tier holds.
+
+Real parts: moto's S3 server (it counts requests by method), the fault proxy in front of
+it where a request must be delayed, failed or looked at, real daemons and readers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from cached_client import CachedDataset
+from cached_client.reader import read_shard
+from cached_client.transport import Connection
+from torch.utils.data import DataLoader
+
+from cached.fetcher import Fetcher
+from cached.local import make_tar
+from cached.metrics import Metrics
+from cached.policy import LRUPolicy
+from cached.sources.chain import TierChain
+from cached.tiers.hot import HotTier
+from tests.daemon import daemon_config, dataset_shards, thread_daemon
+from tests.faultproxy import FaultProxy
+from tests.s3server import S3Server
+from tests.test_daemon import DirWatcher, upload
+from tests.test_integrity import metric, wait_for
+from tests.test_sources import s3cfg
+
+
+def asked(s3: S3Server, bucket: str) -> dict[str, int]:
+    """The store's count of GETs and HEADs of the bucket's objects."""
+    return {method: s3.count(method, f"^/{bucket}/.") for method in ("GET", "HEAD")}
+
+
+def test_a_cold_epoch_asks_one_get_per_shard_and_no_head(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """32 shards through two DataLoader workers, with their plans, opens ahead and the
+    prefetcher: 32 requests to the store where a HEAD and a GET per shard made 64; the
+    warm epoch after it asks nothing."""
+    urls = upload(s3_server, bucket, dataset_shards(32, 10, payload=2000))
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        ds = CachedDataset(urls, socket=d.socket, shuffle=True, seed=3)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+        per_epoch = []
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            assert len(list(loader)) == 320
+            per_epoch.append(asked(s3_server, bucket))
+        prefetched = metric(d, "cached_prefetches_total", result="ok")
+    assert per_epoch == [{"GET": 32, "HEAD": 0}] * 2  # cumulative: epoch 1 asked nothing
+    assert all(s3_server.count("GET", f"^/{bucket}/shard-{i:04d}.tar$") == 1 for i in range(32))
+    assert prefetched > 0  # the prefetcher's window took part, without asking for sizes
+
+
+def test_a_resident_shard_is_revalidated_with_a_head_and_not_fetched_again(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    urls = upload(s3_server, bucket, dataset_shards(3, 5, payload=2000))
+    cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"s3.revalidate_s": 0})
+    with thread_daemon(cfg) as d:
+        conn = Connection(d.socket)
+        for url in urls:
+            assert (
+                conn.request({"op": "open", "url": url, "stream": "a", "pin": False})[0]["hit"]
+                is False
+            )
+        assert asked(s3_server, bucket) == {"GET": 3, "HEAD": 0}
+        for url in urls:  # every answer is stale now (revalidate_s = 0)
+            assert (
+                conn.request({"op": "open", "url": url, "stream": "b", "pin": False})[0]["hit"]
+                is True
+            )
+        conn.close()
+    assert asked(s3_server, bucket) == {"GET": 3, "HEAD": 3}
+
+
+@asynccontextmanager
+async def running_fetcher(chain: TierChain, tmp_path: Path) -> AsyncIterator[Fetcher]:
+    hot = HotTier(tmp_path / "hot", 1 << 30, 0, LRUPolicy())
+    hot.load()
+    fetcher = Fetcher(chain, hot, 4, Metrics())
+    try:
+        yield fetcher
+    finally:
+        await fetcher.stop()
+
+
+async def test_a_shard_found_resident_by_the_gets_version_is_not_downloaded(
+    s3_server: S3Server, bucket: str, tmp_path: Path, proxy: FaultProxy
+) -> None:
+    """An open whose answer is stale asks with a GET; while its headers are on the way
+    (delayed 1 s), a read that keeps to the version known downloads that very version.
+    The GET's headers then name a resident shard: its body is closed unread."""
+    body = make_tar([(f"k{i}", {"bin": bytes([i]) * 1_000_000}) for i in range(8)])
+    s3_server.put(bucket, "r.tar", body)
+    url = f"s3://{bucket}/r.tar"
+    # Parts larger than the object: one GET each; the answer is stale at once.
+    cfg = s3cfg(proxy.endpoint_url, part_size_bytes=64 << 20, revalidate_s=0.0)
+    async with TierChain(cfg) as chain, running_fetcher(chain, tmp_path) as fetcher:
+        fetcher.lookups.remember(await chain.head(url))
+        proxy.inject("delay", delay_s=1.0)  # the open's GET
+        opening = asyncio.create_task(fetcher.ensure(url))
+        await asyncio.to_thread(wait_for, lambda: bool(proxy.requests("GET")))
+        read, read_hit = await fetcher.ensure(url, revalidate=False)
+        assert read_hit is False
+        shard, hit = await opening
+        assert shard is read and hit is True
+        m = fetcher.metrics.registry.get_sample_value
+        assert m("cached_fetched_bytes_total", {"tier": "warm"}) == len(body)
+        assert m("cached_fetches_total", {"tier": "warm", "result": "ok"}) == 1
+    gets = [(s.range, s.if_match is not None) for s in proxy.requests("GET")]
+    assert gets == [(None, False), (None, True)]  # the open's GET, the read's If-Match GET
+    # The open's GET was closed after its headers: the proxy is not left writing 8 MB
+    # into a connection nobody reads.
+    await asyncio.to_thread(wait_for, lambda: proxy.in_flight == 0, 5.0)
+
+
+def test_no_room_at_once_closes_the_gets_body_until_there_is_room(
+    s3_server: S3Server, bucket: str, tmp_path: Path, proxy: FaultProxy
+) -> None:
+    """The hot tier is full of pinned shards when a cold shard's GET answers: its body is
+    closed at once (the connection does not sit waiting for room), the open waits for a
+    pin to go, and the bytes then come with a GET that names the version. The hard bound
+    holds throughout."""
+    bodies = dataset_shards(3, 6, payload=2_000_000)  # 12 MB: more than a socket buffers
+    urls = upload(s3_server, bucket, bodies)
+    capacity = int(max(len(b) for b in bodies) * 2.5)
+    cfg = daemon_config(
+        tmp_path,
+        proxy.endpoint_url,
+        **{"cache.capacity": str(capacity), "cache.pin_wait_s": 20, "prefetch.lookahead": "0"},
+    )
+    with thread_daemon(cfg) as d, DirWatcher(cfg.cache.dir) as watch:
+        holder = Connection(d.socket)
+        for url in urls[:2]:
+            holder.request({"op": "open", "url": url, "stream": "holder"})  # pinned
+        got: list[int] = []
+        waiting = threading.Thread(target=lambda: got.extend(open_and_read(d.socket, urls[2])))
+        waiting.start()
+        wait_for(lambda: len(proxy.requests("GET")) == 3)
+        wait_for(lambda: proxy.in_flight == 0, 5.0)  # the GET's connection was dropped
+        assert waiting.is_alive() and not list(cfg.cache.dir.glob("*.partial"))
+        holder.request({"op": "close", "url": urls[0], "stream": "holder"})
+        waiting.join(30)
+        holder.close()
+        assert got == [6]
+        assert d.call(d.daemon.hot.stats).used_bytes <= capacity
+    assert 0 < watch.max_bytes <= capacity
+    third = [(s.range, s.if_match is not None) for s in proxy.requests("GET") if "0002" in s.path]
+    assert third == [(None, False), (None, True)]
+    assert proxy.requests("HEAD") == []
+
+
+def open_and_read(socket: str, url: str) -> list[int]:
+    conn = Connection(socket)
+    try:
+        return [len(list(read_shard(conn, url, "waiting")))]
+    finally:
+        conn.close()
+
+
+@pytest.mark.usefixtures("quick_probe")
+def test_a_get_that_finds_the_store_down_starts_an_outage_and_residents_are_served(
+    s3_server: S3Server, bucket: str, tmp_path: Path, proxy: FaultProxy
+) -> None:
+    urls = upload(s3_server, bucket, dataset_shards(2, 5, payload=2000))
+    cfg = daemon_config(
+        tmp_path, proxy.endpoint_url, **{"s3.revalidate_s": 0, "s3.retry_attempts": 2}
+    )
+    with thread_daemon(cfg) as d:
+        conn = Connection(d.socket)
+        assert len(list(read_shard(conn, urls[0], "a"))) == 5
+        proxy.inject("error", status=500, method=None, times=10_000)
+        with pytest.raises(Exception, match="shard-0001"):
+            conn.request({"op": "open", "url": urls[1], "stream": "b"})
+        assert d.call(d.daemon.fetcher.store_status)["reachable"] is False
+        assert metric(d, "cached_fetches_total", tier="warm", result="StoreUnavailable") == 1
+        gets = len(proxy.requests("GET"))
+        # The resident shard is served as it is, though every answer is stale: no GET,
+        # and no HEAD but the probe's.
+        assert len(list(read_shard(conn, urls[0], "c"))) == 5
+        assert len(proxy.requests("GET")) == gets
+        # A shard the hot tier lacks fails at once, naming the outage, asking nobody.
+        with pytest.raises(Exception, match="unreachable"):
+            conn.request({"op": "open", "url": urls[1], "stream": "b"})
+        assert len(proxy.requests("GET")) == gets
+        proxy.clear()
+        wait_for(lambda: d.call(d.daemon.fetcher.store_status)["reachable"])
+        assert len(list(read_shard(conn, urls[1], "d"))) == 5
+        conn.close()
