@@ -19,14 +19,14 @@ import json
 import random
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from cached_client import CachedDataset, FastLoader, UsageError
 from cached_client.buffers import Batch
-from cached_client.partition import ShuffleBuffer, buffered_shuffle
+from cached_client.partition import ShuffleBuffer
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -106,9 +106,8 @@ def flat(batches: list[list[Item]]) -> list[Item]:
 
 def dataset(node: Node, **kwargs: Any) -> CachedDataset:
     kwargs.setdefault("shuffle", True)
-    return CachedDataset(
-        node.pattern, socket=node.socket, seed=5, shuffle_buffer=SHUFFLE_BUFFER, **kwargs
-    )
+    kwargs.setdefault("shuffle_buffer", SHUFFLE_BUFFER)
+    return CachedDataset(node.pattern, socket=node.socket, seed=5, **kwargs)
 
 
 def stateful(ds: CachedDataset, workers: int) -> StatefulDataLoader[Any]:
@@ -251,6 +250,38 @@ def test_resume_at_every_sample(node: Node, shuffle: bool) -> None:
         again = dataset(node, shuffle=shuffle, rank=1, world_size=2)
         again.load_state_dict(state)
         assert head + [item(s) for s in again] == reference, stop
+
+
+def test_the_shuffle_starts_at_the_readers_first_shard(node: Node) -> None:
+    """A 1000-sample buffer over shards of 9-40 samples: the first outputs come from the
+    reader's first shard alone (half of it at once), so a cold first batch waits for one
+    download, not for the 100 samples of three or four; the same order every time."""
+    ds = CachedDataset(node.pattern, socket=node.socket, shuffle=True, seed=5)
+    order = [s["__url__"] for s in ds]
+    first_shard = order[0]
+    count = order.count(first_shard)
+    assert order[: count - count // 2] == [first_shard] * (count - count // 2)
+    again = CachedDataset(node.pattern, socket=node.socket, shuffle=True, seed=5)
+    assert [s["__url__"] for s in again] == order
+
+
+@pytest.mark.parametrize("stop", [21, 60, 200])
+def test_a_version_1_state_resumes_exactly(node: Node, stop: int) -> None:
+    """A state saved by the previous client (version 1: no ``started`` or ``owed``) is
+    taken, and resumes what an uninterrupted run gives: it was saved between two samples
+    given out, where the buffer had started and owed nothing."""
+    reference = [item(s) for s in dataset(node, shuffle_buffer=1000)]
+    first = dataset(node, shuffle_buffer=1000)
+    it = iter(first)
+    head = [item(next(it)) for _ in range(stop)]
+    state = first.state_dict()
+    del it
+    assert state["started"] and not state["owed"]  # past the start: what version 1 saved
+    old = {k: v for k, v in state.items() if k not in ("started", "owed")}
+    old["version"] = 1
+    again = dataset(node, shuffle_buffer=1000)
+    again.load_state_dict(old)
+    assert head + [item(s) for s in again] == reference
 
 
 # -- FastLoader ----------------------------------------------------------------------------
@@ -405,24 +436,56 @@ def test_a_finished_epoch_gives_way_to_the_next(node: Node) -> None:
 # -- the shuffle buffer, resumed anywhere (no daemon) --------------------------------------
 
 
-@pytest.mark.parametrize(("n", "size", "initial"), [(300, 100, 10), (50, 1000, 100), (40, 8, 3)])
-def test_shuffle_buffer_resumes_at_every_item(n: int, size: int, initial: int) -> None:
-    whole = list(buffered_shuffle(range(n), size, random.Random(3), initial))
+class Counted:
+    """The items 0..n-1 from ``start`` on, counting how many of all n have been taken."""
+
+    def __init__(self, n: int, start: int = 0) -> None:
+        self.n, self.taken = n, start
+
+    def __iter__(self) -> Iterator[int]:
+        for x in range(self.taken, self.n):
+            self.taken = x + 1
+            yield x
+
+
+def early_after(source: Counted, first: int | None) -> Callable[[], bool] | None:
+    """The early start of a reader whose first part has ``first`` items (None: none)."""
+    return None if first is None else lambda: source.taken >= first
+
+
+@pytest.mark.parametrize(
+    ("n", "size", "initial", "first"),
+    [(300, 100, 10, None), (50, 1000, 100, None), (40, 8, 3, None), (300, 100, 100, 37)],
+)
+def test_shuffle_buffer_resumes_at_every_item(
+    n: int, size: int, initial: int, first: int | None
+) -> None:
+    """A buffer saved after any item and rebuilt from its state (``first``: it starts early
+    when the first part's ``first`` items are in) yields what the uninterrupted one does."""
+    source = Counted(n)
+    whole = list(
+        ShuffleBuffer[int](size, random.Random(3), initial, early=early_after(source, first)).run(
+            source
+        )
+    )
     for k in range(n + 1):
-        taken = 0
-
-        def source() -> Iterator[int]:
-            nonlocal taken
-            for x in range(n):
-                taken = x + 1
-                yield x
-
-        first = ShuffleBuffer[int](size, random.Random(3), initial)
-        run = first.run(source())
+        source = Counted(n)
+        buffer = ShuffleBuffer[int](
+            size, random.Random(3), initial, early=early_after(source, first)
+        )
+        run = buffer.run(source)
         head = [next(run) for _ in range(k)]
         rng = random.Random()
-        rng.setstate(first.rng.getstate())
+        rng.setstate(buffer.rng.getstate())
+        rest = Counted(n, source.taken)
         again = ShuffleBuffer(
-            size, rng, initial, buffer=list(first.buffer), draining=first.draining
+            size,
+            rng,
+            initial,
+            early=early_after(rest, first),
+            buffer=list(buffer.buffer),
+            started=buffer.started,
+            owed=buffer.owed,
+            draining=buffer.draining,
         )
-        assert head + list(again.run(range(taken, n))) == whole, k
+        assert head + list(again.run(rest)) == whole, k

@@ -37,8 +37,10 @@ class CachedDataset(IterableDataset[Any]):
         socket: the daemon's ZeroMQ endpoint; None means ``$CACHED_SOCKET``, else
             ``ipc:///run/cached/cached.sock``.
         shuffle: shuffle the shard order per epoch (fixed by ``seed`` and the epoch) and the
-            samples within a buffer of ``shuffle_buffer`` (which starts yielding after 100
-            samples and fills as it goes, so the first batch does not wait for it).
+            samples within a buffer of ``shuffle_buffer``. The buffer starts once the
+            reader's first shard is all in (or after 100 samples), gives out half of it at
+            once and fills as it goes, so a cold epoch's first batch waits for one shard's
+            download per worker, not for a full buffer.
         seed: the shuffle seed; the same seed and epoch give the same order.
         rank, world_size: this process's place in distributed training; None means
             ``torch.distributed`` when initialized, else ``$RANK``/``$WORLD_SIZE``, else 0/1.
@@ -285,19 +287,22 @@ class _Pass:
 
     def state(self) -> dict[str, Any]:
         """This pass's fields of a state dict (see ``CachedDataset.state_dict``)."""
-        if self.shuffle is not None:
-            buffer = [[part, offset] for (part, offset), _ in self.shuffle.buffer]
-            rng: list[Any] | None = resume.rng_state(self.shuffle.rng)
-            draining = self.shuffle.draining
+        shuffle = self.shuffle
+        if shuffle is not None:
+            buffer = [[part, offset] for (part, offset), _ in shuffle.buffer]
+            rng: list[Any] | None = resume.rng_state(shuffle.rng)
+            started, owed, draining = shuffle.started, shuffle.owed, shuffle.draining
         elif self.saved is not None:  # not started: the state it was loaded from
             buffer = [list(ref) for ref in self.saved.get("buffer") or []]
-            rng, draining = self.saved.get("rng"), bool(self.saved.get("draining"))
+            rng, (started, owed, draining) = self.saved.get("rng"), _buffer_phase(self.saved)
         else:
-            buffer, rng, draining = [], None, False
+            buffer, rng, started, owed, draining = [], None, False, 0, False
         return {
             **self.position.state(),
             "buffer": buffer,
             "rng": rng,
+            "started": started,
+            "owed": owed,
             "draining": draining,
             "lengths": self.lengths,
         }
@@ -327,11 +332,19 @@ class _Pass:
             rng = resume.rng_from(saved["rng"])
         else:
             rng = random.Random(f"samples/{ds.seed}/{self.epoch}/{stream}")
+        started, owed, draining = _buffer_phase(saved) if saved is not None else (False, 0, False)
+        position = self.position
         self.shuffle = partition.ShuffleBuffer(
             ds.shuffle_buffer,
             rng,
+            # Start once the first part is all in: its last sample moves the position to
+            # part 1 before the buffer takes it. Waiting for more would wait for the next
+            # shard's download; where it starts is a function of the data, not of timing.
+            early=lambda: position.part > 0,
             buffer=[(ref, back[ref]) for ref in picks],
-            draining=bool(saved and saved.get("draining")),
+            started=started,
+            owed=owed,
+            draining=draining,
         )
         return self.shuffle.run(source)
 
@@ -372,6 +385,19 @@ class _Pass:
                 else:
                     self.position.took(ref, read.last and i == len(raws) - 1)
                 yield ref, to_sample(read.url, raw)
+
+
+def _buffer_phase(saved: Mapping[str, Any]) -> tuple[bool, int, bool]:
+    """``(started, owed, draining)`` of a saved shuffle buffer. A version 1 state has no
+    ``started`` or ``owed``: it was saved between two items given out (so the buffer had
+    started, and owed nothing) or before the first (an empty buffer, not started)."""
+    draining = bool(saved.get("draining"))
+    if "started" not in saved:
+        return bool(saved.get("buffer")) or draining, 0, draining
+    try:
+        return bool(saved["started"]), int(saved.get("owed") or 0), draining
+    except (TypeError, ValueError):
+        raise UsageError("cannot resume CachedDataset: a damaged shuffle buffer") from None
 
 
 def to_sample(url: str, raw: RawSample) -> Sample:

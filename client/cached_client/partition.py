@@ -107,15 +107,23 @@ def by_sample(
 
 
 def buffered_shuffle(
-    items: Iterable[T], size: int, rng: random.Random, initial: int = 100
+    items: Iterable[T],
+    size: int,
+    rng: random.Random,
+    initial: int = 100,
+    early: Callable[[], bool] | None = None,
 ) -> Iterator[T]:
     """Shuffle a stream within a buffer of at most ``size`` items (memory stays bounded).
 
-    Yields from the first ``min(initial, size)`` items on, while the buffer keeps
-    growing (two in, one out) to ``size``: a full buffer before the first sample would
-    make a cold first epoch wait for ``size`` samples' shards before its first batch.
+    Starts once ``min(initial, size)`` items are in, or earlier once ``early()`` is true
+    (a reader: its first shard is all in, and waiting for more would wait for another
+    download). At the start it gives out half of what it holds at once, then takes two
+    items in per item out until it holds ``size``: every item is drawn from at least half
+    of what has come in, and a cold epoch's first batch needs only the first shard (or
+    ``initial`` items), not a full buffer. The order depends only on the items, ``rng``
+    and where ``early`` turns true in the input, never on timing.
     """
-    return ShuffleBuffer[T](size, rng, initial).run(items)
+    return ShuffleBuffer[T](size, rng, initial, early=early).run(items)
 
 
 class ShuffleBuffer(Generic[T]):
@@ -123,7 +131,9 @@ class ShuffleBuffer(Generic[T]):
     between two items and a new one continue with exactly the same order.
 
     The state at any point between two items is ``buffer`` (the items taken and not yet
-    given, in their order), ``rng``'s state, and ``draining`` (the input has run out and
+    given, in their order), ``rng``'s state, ``started`` (the buffer has begun to give
+    items out), ``owed`` (items still to give out before the next one is taken in: the
+    start gives out half the buffer at once) and ``draining`` (the input has run out and
     the buffer was shuffled a last time: the rest comes out in order). A buffer built with
     those and run on the rest of the input yields what the first one would have.
     """
@@ -134,39 +144,64 @@ class ShuffleBuffer(Generic[T]):
         rng: random.Random,
         initial: int = 100,
         *,
+        early: Callable[[], bool] | None = None,
         buffer: list[T] | None = None,
+        started: bool = False,
+        owed: int = 0,
         draining: bool = False,
     ) -> None:
         self.size = size
         self.rng = rng
         self.initial = max(1, min(initial, size))
+        self.early = early
         self.buffer: list[T] = [] if buffer is None else buffer
+        self.started = started
+        self.owed = owed
         self.draining = draining
 
     def run(self, items: Iterable[T]) -> Iterator[T]:
         """Yield ``items`` shuffled, after what the buffer already holds."""
-        buf, rng = self.buffer, self.rng
+        buf = self.buffer
         if self.size <= 1:
             yield from buf
             buf.clear()
             yield from items
             return
         if not self.draining:
+            yield from self._give()  # what a saved start still owed
             it = iter(items)
             for item in it:
                 buf.append(item)
-                if len(buf) < self.size:
-                    for more in it:  # take a second one while growing
-                        buf.append(more)
-                        break
-                if len(buf) >= self.initial:
-                    i = rng.randrange(len(buf))
-                    buf[i], buf[-1] = buf[-1], buf[i]
-                    yield buf.pop()
-            rng.shuffle(buf)
+                if not self.started:
+                    if not self._ready():
+                        continue
+                    self.started = True
+                    self.owed = len(buf) - len(buf) // 2
+                else:
+                    if len(buf) < self.size:
+                        for more in it:  # take a second one while growing
+                            buf.append(more)
+                            break
+                    self.owed = 1
+                yield from self._give()
+            self.rng.shuffle(buf)
             # Given from the front; kept reversed so that each item leaves by pop() and the
             # buffer always holds exactly what is still to come.
             buf.reverse()
             self.draining = True
         while buf:
+            yield buf.pop()
+
+    def _ready(self) -> bool:
+        """Whether the buffer may start giving out (it holds what a start needs)."""
+        return len(self.buffer) >= self.initial or (self.early is not None and self.early())
+
+    def _give(self) -> Iterator[T]:
+        """The items owed, each drawn at random; ``owed`` counts down before each leaves,
+        so a state saved between two of them resumes with the rest."""
+        buf, rng = self.buffer, self.rng
+        while self.owed and buf:
+            self.owed -= 1
+            i = rng.randrange(len(buf))
+            buf[i], buf[-1] = buf[-1], buf[i]
             yield buf.pop()

@@ -26,8 +26,11 @@ from .errors import UsageError
 from .partition import Part
 from .reader import Span
 
-# Bumped when the meaning of a field changes; a state of another version is refused.
-STATE_VERSION = 1
+# Bumped when the meaning of a field changes. 2: the shuffle buffer's start ("started",
+# "owed"; D26). A state of version 1 resumes exactly too: it was saved at a point where
+# the buffer had started or was fresh, which is what it says without those fields.
+STATE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 # A sample of a reader's epoch: (index into its parts, offset from the part's start).
 Ref = tuple[int, int]
@@ -64,15 +67,15 @@ def check(state: Any, identity: Mapping[str, Any]) -> None:
     loader = identity["loader"]
     if not isinstance(state, Mapping) or "epoch" not in state:
         raise UsageError(f"cannot resume {loader}: {type(state).__name__} is not its state_dict()")
-    if state.get("version") != STATE_VERSION:
+    if state.get("version") not in READABLE_VERSIONS:
         raise UsageError(
             f"cannot resume {loader}: the state has format version {state.get('version')!r}, "
-            f"this client reads version {STATE_VERSION}"
+            f"this client reads versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
     diffs = [
         f"{_LABELS.get(key, key)}: saved {state.get(key)!r}, here {value!r}"
         for key, value in identity.items()
-        if state.get(key) != value
+        if key != "version" and state.get(key) != value
     ]
     if diffs:
         raise UsageError(
