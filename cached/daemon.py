@@ -103,6 +103,7 @@ class Daemon:
                 lookahead_bytes=self.cfg.prefetch.lookahead_bytes,
                 concurrency=self.cfg.prefetch.concurrency,
             )
+            self.fetcher.gate = self.prefetcher.hold
             self.server = await self._stack.enter_async_context(
                 Server(
                     self.cfg.server.socket,

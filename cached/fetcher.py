@@ -123,6 +123,9 @@ class Fetcher:
         *,
         next_use: Callable[[str], float] | None = None,
     ) -> None:
+        # Awaited by each download before it takes a slot (the prefetcher's hold for the
+        # readers' first shards, ``Prefetcher.hold``); set once by the daemon.
+        self.gate: Callable[[str], Awaitable[None]] | None = None
         self.sources = sources
         self.hot = hot
         self.metrics = metrics
@@ -311,7 +314,7 @@ class Fetcher:
         """An opening's task: a download slot, the GET, the answer its headers give;
         then the download from its body, unless the hot tier has that shard already or
         another download of it is under way (None: the body is closed unread)."""
-        await self._slots.acquire(opening.priority, url)
+        await self._slot(opening.priority, url, url)
         try:
             try:
                 opened = await self.sources.open(url)
@@ -467,9 +470,15 @@ class Fetcher:
 
         task.add_done_callback(forget)
 
+    async def _slot(self, priority: int, key: str, url: str) -> None:
+        """A download slot for ``url`` (queued as ``key``), once the gate lets it go."""
+        if self.gate is not None:
+            await self.gate(url)
+        await self._slots.acquire(priority, key)
+
     async def _fetch(self, sid: str, info: ObjectInfo, priority: int) -> Shard:
         """Download a shard whose version is known: a slot, room, a GET (``If-Match``)."""
-        await self._slots.acquire(priority, sid)
+        await self._slot(priority, sid, info.url)
         try:
             return await self._download(sid, info, priority)
         finally:

@@ -46,6 +46,7 @@ class Plan:
     cursor: int = 0
     rate: float | None = None  # shards per second, None until observed
     seen: float = 0.0  # clock of the last update or read
+    cursor_at: float = 0.0  # clock when the cursor came to where it is
     _positions: dict[str, list[int]] = field(default_factory=dict, repr=False)
     _moved_at: float = 0.0
     _moved_from: int = 0
@@ -53,6 +54,10 @@ class Plan:
     def __post_init__(self) -> None:
         for pos, url in enumerate(self.urls):
             self._positions.setdefault(url, []).append(pos)
+
+    def current(self) -> str | None:
+        """The shard at the cursor (being read, or waited for); None past the end."""
+        return self.urls[self.cursor] if self.cursor < len(self.urls) else None
 
     def next_position(self, url: str) -> int | None:
         """The first position at or after the cursor where ``url`` is read, if any."""
@@ -105,7 +110,7 @@ class Planner:
         """
         yield from self._index(plan, step)
         now = self.clock()
-        plan.seen = plan._moved_at = now
+        plan.seen = plan._moved_at = plan.cursor_at = now
         plan._moved_from = plan.cursor
         old = self._plans.get(plan.key)
         if old is not None:
@@ -143,6 +148,7 @@ class Planner:
         if cursor <= plan.cursor:
             return
         plan.cursor = min(cursor, len(plan.urls))
+        plan.cursor_at = now
         elapsed = now - plan._moved_at
         if elapsed >= MIN_RATE_INTERVAL_S:
             observed = (plan.cursor - plan._moved_from) / elapsed
@@ -216,6 +222,20 @@ class Planner:
             if pos is not None:
                 best = min(best, (pos - plan.cursor) / self.rate(plan))
         return best
+
+    def at_cursors(self) -> set[str]:
+        """The shards the streams read now, or wait for: each live plan's cursor shard."""
+        return {url for plan in self._plans.values() if (url := plan.current()) is not None}
+
+    def needed_only_by(self, url: str, streams: Callable[[Plan], bool]) -> bool:
+        """Whether some live plan names ``url`` at or after its cursor, and every such
+        plan is one of ``streams``."""
+        naming = [
+            plan
+            for key in self._naming.get(url, ())
+            if (plan := self._plans.get(key)) is not None and plan.next_position(url) is not None
+        ]
+        return bool(naming) and all(streams(plan) for plan in naming)
 
     def upcoming(self) -> Iterator[tuple[float, str]]:
         """``(seconds until needed, url)`` for every planned shard at or after a cursor,

@@ -8,6 +8,12 @@ policy admits a prefetch only if it displaces shards needed later than the one i
 (:meth:`HotTier.reserve`), so prefetch cannot thrash the hot tier. A shard not fetched yet
 counts at an estimate: no HEAD asks its size, its GET tells it (docs/decisions.md, D27).
 
+A reader's first shard (or any shard at a reader's cursor that is missing: the reader has
+nothing to read) gets the link first: while one is arriving, no other prefetch starts,
+and a download that only such waiting readers need (their own next shard, asked for early)
+waits for it (:meth:`Prefetcher.hold`). A cold epoch's first batch then waits for one
+download per reader, not for a share of the link among every shard in the window.
+
 Fairness: prefetches take at most ``concurrency - 1`` download slots (the fetcher keeps
 one for demand misses, which are also served first from the queue), so a job's lookahead
 never makes another job's reader wait for a download to finish; the window is one for the
@@ -28,6 +34,7 @@ from .fetcher import Fetcher
 from .metrics import Metrics
 from .planner import Planner
 from .sources.base import ObjectInfo
+from .tiers.hot import reservation_bytes
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,13 @@ RETRY_AFTER_S = 30.0
 # plan must not stop prefetch for every plan on the node, nor be asked for at every scan.
 LOOKUP_BACKOFF_S = 5.0
 LOOKUP_BACKOFF_MAX_S = 300.0
+# How often a download held back for the readers' first shards looks again (it also
+# wakes whenever a shard is published).
+HOLD_POLL_S = 0.1
+# A shard counts as awaited by its reader for this long after the reader came to it even
+# before its download starts: the reader's open may still be looking the object up, and
+# its own next shard's lookup can answer first. After that, only while it downloads.
+ARRIVAL_GRACE_S = 1.0
 
 
 class Prefetcher:
@@ -68,6 +82,8 @@ class Prefetcher:
         self._wake = asyncio.Event()
         # Seconds until the first planned shard that is not resident is needed.
         self.lead_s = math.inf
+        # Whether the last pass held prefetches back for a reader's shard (see fill).
+        self.holding = False
         planner.on_change(self._wake.set)
 
     def wake(self) -> None:
@@ -87,10 +103,18 @@ class Prefetcher:
                 # fetch sets _wake; the shutdown then waits out its drain time), and
                 # timeout can leave a stray cancel when it fires in that turn.
                 woken = asyncio.ensure_future(self._wake.wait())
+                # Holding for a reader's shard: its publication ends the hold, whoever
+                # fetched it (a reader's demand does not wake the prefetcher).
+                published = asyncio.ensure_future(
+                    self.fetcher.hot.changed(RESCAN_S) if self.holding else asyncio.sleep(RESCAN_S)
+                )
                 try:
-                    await asyncio.wait({woken}, timeout=RESCAN_S)
+                    await asyncio.wait(
+                        {woken, published}, timeout=RESCAN_S, return_when=asyncio.FIRST_COMPLETED
+                    )
                 finally:
                     woken.cancel()
+                    published.cancel()
         finally:
             for task in self._active.values():
                 task.cancel()
@@ -104,17 +128,56 @@ class Prefetcher:
         # URLs that clients stopped naming do not accumulate.
         stale = now - LOOKUP_BACKOFF_MAX_S
         self._unknown = {u: entry for u, entry in self._unknown.items() if entry[0] > stale}
+        reading = self.planner.at_cursors()
+        self.holding = bool(self._awaited())
         for when, url, info in self._window(self.planner.upcoming()):
             if info is not None and self.fetcher.resident(info) is not None:
                 continue
             lead = min(lead, when)
             if self.fetcher.fetching(url) or self._failed.get(url, 0.0) > now:
                 continue
+            if self.holding and url not in reading:
+                # A reader has nothing to read until its shard is in: the link is its
+                # alone (with the other readers' first shards). A prefetch started now
+                # would share the link with it and delay that reader's first batch; it
+                # starts when the shard is in, one download's time later.
+                continue
             if len(self._active) >= self.limit:
                 break
             task = self._prefetch(url, looked_up=info is not None)
             self._active[url] = asyncio.create_task(task, name=f"prefetch {url}")
         self.lead_s = lead
+
+    async def hold(self, url: str) -> None:
+        """Wait (before taking a download slot) while fetching ``url`` would share the link
+        with a reader's shard that the reader waits for, and only readers that wait for
+        theirs need ``url``: a reader's own next shard, asked for as a demand while its
+        first is still arriving (``Fetcher.gate``). A shard another reader can use now, or
+        one no plan names, is not held; nothing waits for a download that is not under
+        way, so the hold ends when those downloads end, whichever way."""
+        while self._held(url):
+            await self.fetcher.hot.changed(HOLD_POLL_S)
+
+    def _held(self, url: str) -> bool:
+        if url in self.planner.at_cursors():
+            return False
+        awaited = self._awaited()
+        return bool(awaited) and self.planner.needed_only_by(
+            url, lambda plan: plan.current() in awaited
+        )
+
+    def _awaited(self) -> set[str]:
+        """The shards readers are at and wait for: not resident, and downloading, or come
+        to within ``ARRIVAL_GRACE_S`` (the reader's open may still be looking them up)."""
+        now = self.planner.clock()
+        hot, fetcher = self.fetcher.hot, self.fetcher
+        return {
+            url
+            for plan in self.planner.plans()
+            if (url := plan.current()) is not None
+            and hot.latest(url) is None
+            and (fetcher.fetching(url) or now - plan.cursor_at < ARRIVAL_GRACE_S)
+        }
 
     def _window(
         self, upcoming: Iterator[tuple[float, str]]
@@ -123,17 +186,34 @@ class Prefetcher:
         shard that crosses it included), with what is known of them. Nothing is asked of
         the store: a shard not fetched yet counts as the mean size of those known (its GET
         corrects it), or, while none is known, as the share of the lookahead that lets the
-        window hold as many shards as may be prefetched at once."""
+        window hold as many shards as may be prefetched at once.
+
+        The window also ends where its shards would no longer fit the hot tier together,
+        so prefetch brings only what can stay until it is read: a shard beyond that,
+        fetched into room free now, would be the first to go when the shards needed
+        before it arrive, and be fetched again (a dataset twice the hot tier fetched
+        1.03-1.09x itself in its cold epoch). Each shard counts what its download
+        reserves (sizes not known yet: the mean of those known; none known: not
+        counted, the lookahead's share bounds the window then); room that readers hold
+        on shards behind their cursors is not there to count."""
         out: list[tuple[float, str, ObjectInfo | None]] = []
         budget = self.lookahead_bytes
         now = time.monotonic()
-        guess = self.fetcher.typical_size_bytes() or max(1, self.lookahead_bytes // self.limit)
+        typical = self.fetcher.typical_size_bytes()
+        guess = typical or max(1, self.lookahead_bytes // self.limit)
+        hot = self.fetcher.hot
+        room = hot.capacity_bytes - hot.pinned_bytes(except_urls=self.planner.at_cursors())
         for when, url in upcoming:
             if budget <= 0:
                 break
             if self._unknown.get(url, (0.0, 0.0))[0] > now:
                 continue
             info = self.fetcher.known(url)
+            size = info.size if info is not None else typical
+            if size is not None:
+                room -= reservation_bytes(size)
+                if room < 0:
+                    break
             out.append((when, url, info))
             budget -= guess if info is None else info.size
         return out

@@ -227,6 +227,62 @@ def test_a_small_jobs_demand_misses_stay_fast_while_a_big_job_prefetches(
     assert shared_s < 1.25 * alone_s + 0.1, (alone_s, shared_s, big_s)
 
 
+def test_prefetches_wait_until_the_readers_first_shard_is_in(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A reader at its first shard has nothing to read until that shard is in: the
+    prefetcher starts nothing else meanwhile, so the shard has the link to itself (with
+    the other readers' first shards) and the first batch comes one download's time in."""
+    urls = upload(s3_server, s3_server.new_bucket("first"), dataset_shards(6, 10, payload=5000))
+    with FaultProxy.start(s3_server.endpoint_url) as link:
+        # The first shard's lookup answers last (after its next shard's, which the reader
+        # asks for early), then its GET takes a second: long enough to see what starts.
+        link.inject("delay", method="HEAD", delay_s=0.4, path="shard-0000.tar")
+        link.inject("delay", delay_s=1.0, path="shard-0000.tar")
+        cfg = daemon_config(tmp_path, link.endpoint_url, **{"prefetch.lookahead": "1GiB"})
+        with thread_daemon(cfg) as d:
+            ds = CachedDataset(urls, socket=d.socket)
+            it = iter(ds)
+            got: list[str] = []
+            reader = threading.Thread(target=lambda: got.append(next(it)["__key__"]))
+            reader.start()
+            time.sleep(1.0)
+            during = [r.path for r in link.requests("GET")]
+            reader.join(10)
+            rest = [s["__key__"] for s in it]
+    assert got == ["s0000-00000"] and len(rest) == 59
+    # Before: the first shard's GET and two prefetches (of shards 1 and 2) at once; with
+    # the hold but not its grace, the next shard's GET while the first was looked up.
+    assert [p.rsplit("/", 1)[1] for p in during] == ["shard-0000.tar"], during
+
+
+def test_prefetch_brings_only_what_can_stay_until_it_is_read(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A plan of 12 shards over a hot tier of 4: the prefetcher brings the soonest that fit
+    together and asks for nothing beyond them. Before, its window ran to the lookahead (1
+    GiB here), so every shard past the tier's room was tried again and again, and brought
+    in whenever room came free: as the furthest-needed shard resident, the first to go
+    when the shards needed before it arrived, before its read (a dataset twice the tier
+    fetched 1.03-1.09x itself in its cold epoch)."""
+    urls, size = equal_shards(s3_server, s3_server.new_bucket("cap"), 12)
+    cfg = daemon_config(
+        tmp_path,
+        s3_server.endpoint_url,
+        **{"cache.capacity": str(capacity_for(4, size)), "prefetch.lookahead": "1GiB"},
+    )
+    with thread_daemon(cfg) as d:
+        ds = CachedDataset(urls, socket=d.socket)
+        it = iter(ds)
+        next(it)  # the plan is announced; the reader stays at its first shard
+        time.sleep(2.5)  # two rescans at least
+        refused = d.daemon.metrics.prefetches.labels("not_admitted")._value.get()
+        resident = {s.url for s in d.call(lambda: list(d.daemon.hot.resident()))}
+        assert len([s for s in it]) == 12 * 8 - 1
+    assert resident <= set(urls[:4]), resident
+    assert refused == 0
+
+
 def wait_fraction(socket: str, urls: list[str], compute_s: float) -> float:
     """One epoch of a training loop that computes ``compute_s`` per sample; returns the
     share of loop time spent waiting for the next sample (the client's StallMeter)."""

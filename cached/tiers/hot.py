@@ -61,6 +61,12 @@ SHARED_DIR_MODE = 0o750
 SHARED_FILE_MODE = 0o640
 
 
+def reservation_bytes(size: int) -> int:
+    """What a download of ``size`` bytes reserves in the hot tier: the shard and a margin
+    for its index sidecar (settled to the real size at publication)."""
+    return size + size // 16 + 65536
+
+
 class NotAdmitted(Exception):
     """A prefetch would have to evict a shard needed sooner than the one it brings."""
 
@@ -500,6 +506,12 @@ class HotTier:
         finally:
             waiter.cancel()
 
+    def pinned_bytes(self, except_urls: set[str]) -> int:
+        """Bytes held by pinned shards (readers hold them), but those of ``except_urls``."""
+        return sum(
+            s.reserved_bytes for s in self._shards.values() if s.pins and s.url not in except_urls
+        )
+
     def resident(self) -> Iterator[Shard]:
         """Every shard that is published (READY), in no particular order."""
         return (s for s in self._shards.values() if s.state is ShardState.READY)
@@ -538,8 +550,7 @@ class HotTier:
         when that is not enough.
         """
         url, size = info.url, info.size
-        # The index sidecar is small; reserve a margin for it and settle the real size later.
-        need = size + size // 16 + 65536
+        need = reservation_bytes(size)
         if need > self.capacity_bytes:
             raise CacheFull(
                 f"{url} ({size} bytes) is larger than the hot tier's capacity "
