@@ -27,7 +27,7 @@ from .partition import Part
 from .reader import Span
 
 # Bumped when the meaning of a field changes. 2: the shuffle buffer's start ("started",
-# "owed"; D26). A state of version 1 resumes exactly too: it was saved at a point where
+# "owed"; D28). A state of version 1 resumes exactly too: it was saved at a point where
 # the buffer had started or was fresh, which is what it says without those fields.
 STATE_VERSION = 2
 READABLE_VERSIONS = (1, 2)
