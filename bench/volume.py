@@ -20,7 +20,7 @@ over several epochs. Per epoch it records:
   epoch, in order), with the hot tier's capacity, and with one shard less per reader.
 
 Every configuration gets a fresh daemon and an empty hot tier; ``--repeats`` runs with
-seeds 1..N. It prints figures and asserts nothing.
+seeds ``--first-seed`` on. It prints figures and asserts nothing.
 
     python bench/volume.py                       # 32 shards, 2 workers, 3 epochs, 3 seeds
     python bench/volume.py --store file --repeats 1
@@ -251,7 +251,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--capacity-fraction", type=float, default=0.5, help="hot tier / dataset (0.5)")
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers (2)")
     p.add_argument("--epochs", type=int, default=3, help="epochs (3)")
-    p.add_argument("--repeats", type=int, default=3, help="runs, seeds 1..N (3)")
+    p.add_argument("--repeats", type=int, default=3, help="runs, one seed each (3)")
+    p.add_argument("--first-seed", type=int, default=1, help="the first run's seed (1)")
     p.add_argument("--store", choices=("s3", "file"), default="s3", help="moto's S3 or file://")
     p.add_argument("--out", type=Path, default=common.OUT_DIR, help="where the JSON goes")
     return p.parse_args(argv)
@@ -262,7 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="cached-volume-") as tmp, ExitStack() as stack:
         urls, endpoint = stage(args, Path(tmp), stack)
         started = common.loadavg()
-        runs = [one_run(args, urls, endpoint, seed) for seed in range(1, args.repeats + 1)]
+        seeds = range(args.first_seed, args.first_seed + args.repeats)
+        runs = [one_run(args, urls, endpoint, seed) for seed in seeds]
     ended = common.loadavg()
     print(summary(runs, args.dataset))
     print(f"load average {started} at the start, {ended} at the end")
