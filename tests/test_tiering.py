@@ -29,7 +29,7 @@ from cached.fetcher import DEMAND, PREFETCH, PrioritySlots
 from cached.local import make_tar
 from cached.policy import LRUPolicy
 from cached.sources.base import ObjectInfo
-from cached.tiers.hot import HotTier
+from cached.tiers.hot import HotTier, reservation_bytes
 from tests.daemon import (
     ProcessDaemon,
     daemon_config,
@@ -104,10 +104,9 @@ def equal_shards(s3: S3Server, bucket: str, n: int) -> tuple[list[str], int]:
 
 def capacity_for(shards: int, size: int) -> int:
     """A hot tier that holds ``shards`` shards of ``size`` bytes (one of them being
-    fetched), and not one more: a reservation is the size plus a margin for the index
-    (see ``HotTier.reserve``), a resident shard its size plus its index (< 8 KiB here)."""
-    need = size + size // 16 + 65536
-    return (shards - 1) * (size + 8192) + need + 4096
+    fetched), and not one more: a download reserves ``reservation_bytes`` (the size and
+    a margin for the index), a resident shard holds its size plus its index (< 8 KiB here)."""
+    return (shards - 1) * (size + 8192) + reservation_bytes(size) + 4096
 
 
 def epoch_gets(
