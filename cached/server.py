@@ -39,7 +39,7 @@ from .metrics import Metrics
 from .planner import Plan, Planner, prepare
 from .quota import PerClient
 from .tiers.hot import HotTier, Shard, ShardCorrupt
-from .tiers.index import Member, ShardIndex
+from .tiers.index import Member, Sample, ShardIndex
 
 log = logging.getLogger(__name__)
 
@@ -545,7 +545,7 @@ class Server:
             listed: list[Any] = []
             picked: list[Member] = []
             for sample in index.samples[start:stop]:
-                members = [m for m in sample.members if wanted is None or m.ext in wanted]
+                members = _chosen(sample, wanted)
                 listed.append([sample.key, [[m.ext, m.size] for m in members]])
                 picked.extend(members)
             samples, nbytes = listed, sum(m.size for m in picked)
@@ -568,6 +568,11 @@ class Server:
         self.metrics.served_samples.inc(stop - start)
         self.metrics.served_bytes.inc(nbytes)
         return reply, frames
+
+
+def _chosen(sample: Sample, wanted: frozenset[str] | None) -> list[Member]:
+    """The sample's members a read asked for (``exts``; None: all)."""
+    return [m for m in sample.members if wanted is None or m.ext in wanted]
 
 
 class _Encoded(bytes):
@@ -597,7 +602,7 @@ def _local_layout(
     samples: list[Any] = []
     nbytes = 0
     for sample in index.samples[start:stop]:
-        members = [m for m in sample.members if wanted is None or m.ext in wanted]
+        members = _chosen(sample, wanted)
         samples.append([sample.key, [[m.ext, m.size, m.offset, m.checksum] for m in members]])
         nbytes += sum(m.size for m in members)
     if not whole:

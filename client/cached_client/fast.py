@@ -313,7 +313,6 @@ class _Filling:
         read per run of the file, not one per member)."""
         places: list[tuple[str, int]] = []  # (ext, at) of each member, in order
         sizes: list[int] = []
-        owners: list[str] = []  # each member's sample key, for an error's message
         used, offsets, keys = self.used, self.offsets, self.keys
         for key, members in samples:
             n = len(keys)
@@ -322,7 +321,6 @@ class _Filling:
                 at = used.get(ext, 0)
                 places.append((ext, at))
                 sizes.append(size)
-                owners.append(key)
                 used[ext] = at + size
                 offsets.setdefault(ext, [0] * (n + 1)).append(at + size)
             keys.append(key)
@@ -343,11 +341,21 @@ class _Filling:
                 if i < len(got)
                 else "the reply has fewer payload frames than it announced"
             )
-            raise ProtocolError(f"{owners[i]}.{places[i][0]}: {what}")
+            raise ProtocolError(f"{_owner(samples, i)}.{places[i][0]}: {what}")
 
     def batch(self) -> Batch:
         data = {ext: self.slot.buffers[ext][:n] for ext, n in self.used.items()}
         return Batch(self.keys, data, self.offsets, self.slot)
+
+
+def _owner(samples: Sequence[tuple[str, list[list[Any]]]], member: int) -> str:
+    """The key of the sample that member ``member`` of ``samples`` (counted across them)
+    belongs to; for an error's message, so that nothing is kept per member to say it."""
+    for key, members in samples:
+        if member < len(members):
+            return key
+        member -= len(members)
+    return samples[-1][0]
 
 
 def _guard_current_streams(slot: Slot) -> None:

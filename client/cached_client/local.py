@@ -223,16 +223,19 @@ class LocalPayload:
             check(target, offset, checksum)
         return sizes
 
+    def _short(self, offset: int) -> LocalUnavailable:
+        return LocalUnavailable(f"{self._where['path']}: short read at {offset}", lasting=False)
+
     def _preadv(self, fd: int, run: list[Any], start: int, end: int) -> None:
         if os.preadv(fd, run, start) != end - start:
-            raise LocalUnavailable(f"{self._where['path']}: short read at {start}", lasting=False)
+            raise self._short(start)
 
     def read(self, i: int) -> bytes:
         """Member ``i`` as new ``bytes``."""
         offset, size, checksum = self._span(i)
         data = os.pread(self._files.fd(self._where, self._url), size, offset)
         if len(data) != size:
-            raise LocalUnavailable(f"{self._where['path']}: short read at {offset}", lasting=False)
+            raise self._short(offset)
         self._check(data, offset, checksum)
         return data
 

@@ -278,16 +278,19 @@ class Connection:
         lease lapse on its own."""
         if "release" in self._features:
             self._releases.setdefault(stream, []).append(url)
-            return
-        with contextlib.suppress(Exception):
-            self.send({"op": Op.CLOSE, "url": url, "stream": stream}, reply=False)
+        else:
+            self._close_now(url, stream)
 
     def flush_releases(self, stream: str) -> None:
         """Give back at once the pins of ``stream`` that wait for its next request (it is
         done reading: no request may follow)."""
         for url in self._releases.pop(stream, []):
-            with contextlib.suppress(Exception):
-                self.send({"op": Op.CLOSE, "url": url, "stream": stream}, reply=False)
+            self._close_now(url, stream)
+
+    def _close_now(self, url: str, stream: str) -> None:
+        """Send ``close`` without waiting for its answer (best effort, see :meth:`release`)."""
+        with contextlib.suppress(Exception):
+            self.send({"op": Op.CLOSE, "url": url, "stream": stream}, reply=False)
 
     def done_with(self, url: str) -> None:
         """The reader is done with ``url``'s shard: close its file, which must happen
