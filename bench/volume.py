@@ -29,15 +29,13 @@ seeds ``--first-seed`` on. It prints figures and asserts nothing.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -51,34 +49,10 @@ from bench import common, shaping
 from bench.cache_sim import min_misses
 from cached.config import load
 from cached.daemon import Daemon
+from cached.local import daemon_in_thread
 
 # (time, "fetch" | "read", url, bytes held): publications and pins, as the daemon did them.
 Event = tuple[float, str, str, int]
-
-
-@contextmanager
-def running(cfg: Any) -> Iterator[Daemon]:
-    """A daemon on its own event loop in a thread, stopped (drained) at the end."""
-    started = threading.Event()
-    holder: dict[str, Any] = {}
-
-    async def serve() -> None:
-        stop = asyncio.Event()
-        holder["stop"], holder["loop"] = stop, asyncio.get_running_loop()
-        async with Daemon(cfg) as daemon:
-            holder["daemon"] = daemon
-            started.set()
-            await daemon.serve_until(stop)
-
-    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
-    thread.start()
-    if not started.wait(60):
-        raise RuntimeError("the daemon did not start")
-    try:
-        yield holder["daemon"]
-    finally:
-        holder["loop"].call_soon_threadsafe(holder["stop"].set)
-        thread.join(60)
 
 
 def watch(daemon: Daemon) -> list[Event]:
@@ -171,7 +145,8 @@ def one_run(
         }
         if endpoint is not None:
             overrides["s3.endpoint_url"] = endpoint
-        with running(load(None, env={}, overrides=overrides)) as daemon:
+        cfg = load(None, env={}, overrides=overrides)
+        with daemon_in_thread(cfg, start_timeout_s=60) as (daemon, _loop):
             events = watch(daemon)
             ds = CachedDataset(urls, socket=daemon.server.bound_endpoint, shuffle=True, seed=seed)
             loader = DataLoader(

@@ -4,6 +4,7 @@ as a real subprocess."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -12,14 +13,57 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from cached_client.errors import DaemonUnavailable
 from cached_client.protocol import Op
 from cached_client.transport import Connection
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .daemon import Daemon
+
+
+@contextlib.contextmanager
+def daemon_in_thread(
+    cfg: Config, *, start_timeout_s: float = 30.0
+) -> Iterator[tuple[Daemon, asyncio.AbstractEventLoop]]:
+    """A daemon on its own event loop in a background thread of this process (so that a
+    test or a benchmark can look into it), and that loop; stopped (drained, closed) at
+    the end. An error while it starts is raised here."""
+    from .daemon import Daemon
+
+    started = threading.Event()
+    holder: dict[str, Any] = {}
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        holder["stop"], holder["loop"] = stop, asyncio.get_running_loop()
+        try:
+            async with Daemon(cfg) as daemon:
+                holder["daemon"] = daemon
+                started.set()
+                await daemon.serve_until(stop)
+        except BaseException as exc:
+            holder["error"] = exc
+            started.set()
+            raise
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    thread.start()
+    if not started.wait(start_timeout_s):
+        raise RuntimeError(f"the daemon did not start within {start_timeout_s:.0f}s")
+    if "error" in holder:
+        raise holder["error"]
+    try:
+        yield holder["daemon"], holder["loop"]
+    finally:
+        holder["loop"].call_soon_threadsafe(holder["stop"].set)
+        thread.join(start_timeout_s)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import pytest
 
 from cached.config import Config, load
 from cached.daemon import Daemon
-from cached.local import DaemonProcess, make_tar, write_config
+from cached.local import DaemonProcess, daemon_in_thread, make_tar, write_config
 
 
 def isolate_env(mp: pytest.MonkeyPatch) -> None:
@@ -73,33 +72,8 @@ class ThreadDaemon:
 @contextmanager
 def thread_daemon(cfg: Config) -> Iterator[ThreadDaemon]:
     """Start a daemon on its own loop in a thread; stop it (drain + close) afterwards."""
-    started = threading.Event()
-    holder: dict[str, Any] = {}
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        holder["stop"] = stop
-        holder["loop"] = asyncio.get_running_loop()
-        try:
-            async with Daemon(cfg) as daemon:
-                holder["daemon"] = daemon
-                started.set()
-                await daemon.serve_until(stop)
-        except BaseException as exc:
-            holder["error"] = exc
-            started.set()
-            raise
-
-    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-    thread.start()
-    started.wait(30)
-    if "error" in holder:
-        raise holder["error"]
-    try:
-        yield ThreadDaemon(holder["daemon"], holder["loop"], holder["daemon"].server.bound_endpoint)
-    finally:
-        holder["loop"].call_soon_threadsafe(holder["stop"].set)
-        thread.join(30)
+    with daemon_in_thread(cfg) as (daemon, loop):
+        yield ThreadDaemon(daemon, loop, daemon.server.bound_endpoint)
 
 
 def serve_config(directory: Path, endpoint_url: str) -> tuple[Path, str]:
