@@ -12,8 +12,11 @@
 #     (UMask=0077: the daemon's files are private), and any local user reads;
 #   - SIGKILL: Restart=on-failure brings it back with the hot tier warm (no S3 fetch);
 #   - stop: clean (Result=success) within TimeoutStopSec;
-#   - group access: the documented drop-in (static user `cached`, socket mode 0660, 0750
-#     directory): a member of the group reads, a non-member cannot.
+#   - group access and local reads: the documented drop-in (static user `cached`, socket
+#     mode 0660, 0750 directories, local reads on): the hot tier moved out of
+#     /var/cache/private with the group's modes, a member of the group reads every shard
+#     from the files themselves (local reads required), a non-member can neither connect
+#     nor open a shard file.
 # Needs root, systemd-nspawn, debootstrap and nsenter; without them it says so in one line
 # and exits 0. Exit status 1 when any check failed.
 #
@@ -259,9 +262,12 @@ in_container() {
 prop() { in_container systemctl show -p "$1" --value cached; }
 
 # Read the shards through the daemon as USER; prints the reader's line, returns its status.
+# read_as USER [--local on|off|auto]: read every shard as USER (systemd_check.py read).
 read_as() {
-    in_container runuser -u "$1" -- /opt/cached/bin/python /check/systemd_check.py read \
-        /check/manifest.json
+    local user=$1
+    shift
+    in_container runuser -u "$user" -- /opt/cached/bin/python /check/systemd_check.py read \
+        /check/manifest.json "$@"
 }
 
 # What is wrong, for the log of a failed check.
@@ -494,7 +500,9 @@ check_stop() {
 }
 
 # The documented way to admit one group (docs/operations.md): a static user `cached` and
-# the drop-in written there, taken from the docs so that the check follows them.
+# the drop-in written there, taken from the docs so that the check follows them. Its
+# members connect and read the hot tier's files themselves (local reads); nobody else may
+# do either.
 check_group_dropin() {
     local dropin
     dropin=$(sed -n '/^systemctl edit cached/,/^systemctl restart cached/p' \
@@ -524,12 +532,25 @@ check_group_dropin() {
     else
         fail "socket (group drop-in): '$sock', '$dir'; want srw-rw---- cached:cached, 750 cached:cached"
     fi
-    local out rc_a=0 rc_b=0
-    out=$(read_as alice 2>&1) || rc_a=$?
-    if [ "$rc_a" -eq 0 ]; then
-        pass "read (group drop-in) as alice, in group cached: $out"
+    # The shards the default unit fetched, moved out of /var/cache/private by systemd and
+    # given to the static user, now the group's to read (the daemon sets the modes).
+    local hot=/var/cache/cached kind modes gets_before
+    kind=$(in_container stat -c '%F %a %U:%G' "$hot" 2>&1 || true)
+    modes=$(in_container sh -c "stat -c '%a %U:%G' $hot/*.tar" 2>&1 | sort -u | paste -sd, - || true)
+    if [ "$kind" = "directory 750 cached:cached" ] && [ "$modes" = "640 cached:cached" ]; then
+        pass "hot tier (group drop-in): $hot $kind, shards $modes"
     else
-        fail "read (group drop-in) as alice, in group cached: exit $rc_a: $out"
+        fail "hot tier (group drop-in): $hot '$kind', shards '$modes'; want directory 750 cached:cached, 640 cached:cached"
+    fi
+    local out rc_a=0 rc_b=0 rc_f=0
+    gets_before=$(shard_gets)
+    out=$(read_as alice --local on 2>&1) || rc_a=$?
+    if [ "$rc_a" -eq 0 ] && grep -q "from the hot tier's files" <<<"$out" &&
+        [ "$(shard_gets)" = "$gets_before" ]; then
+        pass "read (group drop-in) as alice, in group cached, local reads required: $out; nothing fetched again"
+    else
+        fail "read (group drop-in) as alice, in group cached, local reads required: exit $rc_a: $out"
+        diagnose
     fi
     out=$(read_as bob 2>&1) || rc_b=$?
     # A read error that says why: not a timeout or a daemon that went away.
@@ -537,6 +558,14 @@ check_group_dropin() {
         pass "refused (group drop-in) bob, not in the group: $out"
     else
         fail "refused (group drop-in) bob, not in the group: exit $rc_b, want a "permission denied" read error: $out"
+    fi
+    local shard
+    shard=$(in_container sh -c "ls $hot/*.tar | head -n 1")  # named by root: bob cannot list
+    out=$(in_container runuser -u bob -- cat "$shard" 2>&1 >/dev/null) || rc_f=$?
+    if [ "$rc_f" -ne 0 ] && grep -qi 'permission denied' <<<"$out"; then
+        pass "refused (group drop-in) bob the shard files: $out"
+    else
+        fail "bob, not in the group, could read the shard files (exit $rc_f): $out"
     fi
     T=45 in_container systemctl stop cached || true
 }

@@ -9,9 +9,11 @@ SIGTERM. The container shares the host's network, so the daemon inside reaches i
 ``read MANIFEST`` (inside the container, as a training user, with /opt/cached/bin/python:
 the daemon's venv, which has no torch): reads every shard of the manifest through the
 daemon's socket with the torch-free ``cached_client.reader`` and compares each member's
-bytes with the manifest. Prints one line; exit 0 when all match, 1 on a mismatch, 2 when
-reading failed (the exception's type and message are printed, e.g. for a user who may not
-connect to the socket).
+bytes with the manifest. ``--local on|off|auto`` chooses local reads (the sample bytes
+read from the hot tier's files; ``on`` fails where they cannot be opened), and the line
+says which way the bytes came. Prints one line; exit 0 when all match, 1 on a mismatch, 2
+when reading failed (the exception's type and message are printed, e.g. for a user who
+may not connect to the socket).
 """
 
 from __future__ import annotations
@@ -78,13 +80,16 @@ def serve_s3(out: Path) -> None:
             stop.wait(0.2)
 
 
-def read(manifest_path: Path, socket: str | None) -> int:
+_LOCAL = {"on": True, "off": False, "auto": None}
+
+
+def read(manifest_path: Path, socket: str | None, local: str = "auto") -> int:
     from cached_client.reader import read_shard
     from cached_client.transport import Connection, resolve_endpoint
 
     manifest = json.loads(manifest_path.read_text())
     endpoint = resolve_endpoint(socket)
-    conn = Connection(endpoint, connect_timeout_s=5.0)
+    conn = Connection(endpoint, connect_timeout_s=5.0, local_reads=_LOCAL[local])
     samples = bad = nbytes = 0
     try:
         for url, expected in manifest.items():
@@ -97,12 +102,15 @@ def read(manifest_path: Path, socket: str | None) -> int:
         print(f"error: {type(exc).__name__}: {exc}")
         return 2
     finally:
+        # Answered locally, and still asking after every shard: each was read from its file.
+        local_all = conn.holds_local_leases and conn.asks_local
+        way = "from the hot tier's files" if local_all else "through the socket"
         conn.close()
     want = sum(len(v) for v in manifest.values())
     if bad or samples != want:
         print(f"mismatch: {samples} samples read of {want}, {bad} with wrong bytes")
         return 1
-    print(f"ok: {samples} samples of {len(manifest)} shards, {nbytes} bytes, all match")
+    print(f"ok: {samples} samples of {len(manifest)} shards, {nbytes} bytes {way}, all match")
     return 0
 
 
@@ -114,11 +122,12 @@ def main() -> int:
     rd = sub.add_parser("read", help="read the shards through the daemon (container side)")
     rd.add_argument("manifest", type=Path)
     rd.add_argument("--socket", help="ZeroMQ endpoint (default: the client's)")
+    rd.add_argument("--local", choices=sorted(_LOCAL), default="auto", help="local reads")
     args = parser.parse_args()
     if args.command == "s3":
         serve_s3(args.dir)
         return 0
-    return read(args.manifest, args.socket)
+    return read(args.manifest, args.socket, args.local)
 
 
 if __name__ == "__main__":
