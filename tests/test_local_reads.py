@@ -10,6 +10,7 @@ and for "a container without the mount" a client process in a mount namespace of
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shlex
@@ -342,6 +343,23 @@ def test_a_bad_setting_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None
     assert CachedDataset(["s3://b/a.tar"]).local_reads is False
 
 
+def rot(path: Path, offset: int) -> None:
+    """Flip a byte as the disk would: in place, the file's identity (inode, size, mtime)
+    unchanged, so that a local reader opens it as the daemon's file and must find the rot
+    by its checksum (a changed mtime would send it to the socket for another reason)."""
+    before = path.stat()
+    flip(path, offset)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def _reader_found_rot(caplog: pytest.LogCaptureFixture) -> bool:
+    """Whether the reader itself (not the daemon) logged a member failing its checksum."""
+    return any(
+        r.name.startswith("cached_client") and "fails its checksum" in r.getMessage()
+        for r in caplog.records
+    )
+
+
 def _bins(loader: str, urls: list[str], socket: str) -> dict[str, bytes]:
     """Every sample's ``bin`` member, read by a CachedDataset or a FastLoader."""
     if loader == "dataset":
@@ -355,7 +373,11 @@ def _bins(loader: str, urls: list[str], socket: str) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("loader", ["dataset", "fast"])
 def test_a_rotten_byte_is_caught_by_the_reader_and_healed_through_the_socket(
-    s3_server: S3Server, data: tuple[list[str], dict[str, bytes]], tmp_path: Path, loader: str
+    s3_server: S3Server,
+    data: tuple[list[str], dict[str, bytes]],
+    tmp_path: Path,
+    loader: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The disk flips a byte of a resident shard. A local reader checks each member
     against the daemon's checksum (FastLoader: after reading a run of them at once), asks
@@ -367,10 +389,12 @@ def test_a_rotten_byte_is_caught_by_the_reader_and_healed_through_the_socket(
         hot = d.daemon.hot
         shard = d.call(lambda: next(iter(hot.resident())))
         member = shard.index.samples[3].members[0]
-        flip(hot.path(shard), member.offset + 10)
-        got = _bins(loader, urls[:1], d.socket)
+        rot(hot.path(shard), member.offset + 10)
+        with caplog.at_level(logging.INFO, logger="cached_client.local"):
+            got = _bins(loader, urls[:1], d.socket)
         corrupt = d.call(lambda: d.daemon.status()["counters"]["corrupt_shards"])
     assert got == {k: v for k, v in want.items() if k.startswith("s0000-")}
+    assert _reader_found_rot(caplog)
     assert corrupt == 1
 
 
