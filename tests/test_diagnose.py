@@ -339,3 +339,25 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert "cannot reach the cached daemon" in one_line(nobody)
     step = diagnose("--socket", socket, "s3://b/a.tar", "--step-ms", "0")
     assert step.returncode == 2 and "--step-ms must be positive" in one_line(step)
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_the_readers_read_as_the_loaders_would(
+    s3_server: S3Server, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """diagnose's readers choose local reads or the socket as the loaders do: from the
+    shard files where they can open them, through the socket with
+    ``CACHED_LOCAL_READS=off`` (its reader processes inherit the setting)."""
+    monkeypatch.setenv("CACHED_LOCAL_READS", mode)
+    urls = upload(s3_server, bucket, dataset_shards(4, 50, payload=2000))
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        conn = Connection(d.socket)
+        for url in urls:  # warm: every shard resident
+            conn.request({"op": "open", "url": url, "stream": "warm", "pin": False})
+        m = measure(d.socket, urls, workers=1, batch_size=16, budget_s=4, use_hot_dir=False)
+        served, local = d.served()
+    assert m.reads is not None and served > 0
+    if mode == "off":
+        assert local == 0
+    else:
+        assert local > 0.5 * served

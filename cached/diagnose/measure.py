@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cached_client.errors import UsageError
+from cached_client.local import choose
 from cached_client.protocol import Op
 from cached_client.transport import Connection
 from cached_client.urls import expand_all
@@ -69,7 +70,8 @@ def measure(
     urls = expand_all(list(patterns))
     if workers < 1:
         raise UsageError(f"--workers must be at least 1, not {workers}")
-    conn = Connection(socket, connect_timeout_s=3.0)
+    # Local reads or the socket as the loaders would choose ($CACHED_LOCAL_READS).
+    conn = Connection(socket, connect_timeout_s=3.0, local_reads=choose(None))
     try:
         m = _measure(
             conn,

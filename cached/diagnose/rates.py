@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from cached_client.errors import UsageError, check_reply
+from cached_client.local import choose
 from cached_client.reader import Span, pipelined_reads, raw_samples
 from cached_client.transport import Connection
 
@@ -92,7 +93,7 @@ def worker_main() -> int:
     --worker``): a job line in, ``ready``, wait for ``go``, read for the job's seconds, a
     result line out."""
     job = json.loads(sys.stdin.readline())
-    conn = Connection(job["socket"], connect_timeout_s=5.0)
+    conn = Connection(job["socket"], connect_timeout_s=5.0, local_reads=choose(None))
     conn.open()
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
