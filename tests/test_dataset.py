@@ -389,6 +389,37 @@ def test_decode_runs_in_the_worker(node: Node, workers: int) -> None:
         assert os.getpid() not in pids
 
 
+def freeze_count(sample: dict[str, Any]) -> tuple[str, int, int]:
+    """A ``decode`` that tells how many objects the collector of its process leaves alone."""
+    return sample["__key__"], gc.get_freeze_count(), os.getpid()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_workers_freeze_what_they_inherit(node: Node, workers: int) -> None:
+    """A forked worker's first full collection would walk every object it inherited from
+    the training process, and the kernel would copy every page they are on (D29: most of
+    a cold epoch's first batch on loaded cores). Each worker freezes them first, once; the
+    training process's collector is left as it was."""
+    before, inherited = gc.get_freeze_count(), len(gc.get_objects())
+    ds = dataset(node, decode=freeze_count)
+    dl = loader(ds, workers, multiprocessing_context="fork" if workers else None)
+    out = list(dl) + list(dl)  # a second epoch in the same (non-persistent: new) workers
+    assert sorted(k for k, _, _ in out) == sorted(node.data.keys * 2)
+    assert gc.get_freeze_count() == before
+    if workers == 0:
+        assert {count for _, count, _ in out} == {before}
+    else:
+        counts: dict[int, list[int]] = {}
+        for _, count, pid in out:
+            counts.setdefault(pid, []).append(count)
+        assert len(counts) == 2 * workers
+        # What a worker froze is at least most of what the training process had at the
+        # fork; frozen once (inherited objects that die leave it; none join it later).
+        for seen in counts.values():
+            assert seen[0] > inherited // 2, counts
+            assert seen == sorted(seen, reverse=True), seen
+
+
 # -- 7. errors ---------------------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import itertools
 import multiprocessing
 import os
@@ -23,6 +24,9 @@ from .transport import Connection, resolve_endpoint
 from .urls import expand_all
 
 Sample = dict[str, Any]
+
+# The process (by pid) whose objects from before its first iteration were frozen.
+_frozen_pid = 0
 
 
 class CachedDataset(IterableDataset[Any]):
@@ -196,6 +200,8 @@ class CachedDataset(IterableDataset[Any]):
         # Not a generator function: the pass (and so state_dict) must describe this
         # iteration from the moment iter() returns, as StatefulDataLoader asks for the
         # state right after it. Nothing here talks to the daemon: errors come at next().
+        if get_worker_info() is not None:
+            _freeze_inherited()
         stream, _ = self.stream_position()
         saved, self._pending = self._pending, None
         if saved is not None:
@@ -407,6 +413,26 @@ def to_sample(url: str, raw: RawSample) -> Sample:
     for ext, frame in members:
         sample[ext] = frame.bytes
     return sample
+
+
+def _freeze_inherited() -> None:
+    """In a DataLoader worker, once per process: move every object it holds so far (a
+    forked worker's are the training process's: torch, the model, the loader) into the
+    collector's permanent generation (``gc.freeze``), before the worker's first full
+    collection.
+
+    That collection would walk all of them, writing to each object's header, so the
+    kernel copies every page of the inherited heap (copy on write): 0.4-0.8 s of a cold
+    epoch's first batch on two loaded cores, where the worker's own work took
+    milliseconds (docs/decisions.md, D29). Frozen objects are never collected: garbage
+    cycles among what the worker inherited stay, shared with the parent, as the pages
+    they are on. What the worker allocates afterwards is collected as usual.
+    """
+    global _frozen_pid
+    pid = os.getpid()
+    if _frozen_pid != pid:
+        gc.freeze()
+        _frozen_pid = pid
 
 
 def _spawning() -> bool:
