@@ -8,6 +8,7 @@ import os
 import random
 import re
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -793,3 +794,28 @@ async def test_sources_do_not_open_s3_for_files(tmp_path: Path) -> None:
         assert info.size == 1
         assert isinstance(await sources.source_for(path.as_uri()), FileSource)
         assert "s3" not in sources._by_scheme
+
+
+async def test_the_first_s3_url_reads_no_botocore_model_on_the_loop(
+    s3_server: S3Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Creating the S3 client reads botocore's JSON models (about 0.1 s of CPU): on the
+    event loop, every other request waited for them behind the first ``s3://`` URL (D29: a
+    DataLoader worker's hello, at a cold epoch's start). The router reads them in a thread
+    from its start; the client then finds them loaded."""
+    from botocore.loaders import JSONFileLoader
+
+    loop_thread, on_loop = threading.get_ident(), []
+    load_file = JSONFileLoader.load_file
+
+    def watched(self: JSONFileLoader, file_path: str) -> Any:
+        if threading.get_ident() == loop_thread:
+            on_loop.append(file_path)
+        return load_file(self, file_path)
+
+    monkeypatch.setattr(JSONFileLoader, "load_file", watched)
+    s3_server.put(bucket, "c.tar", b"remote bytes")
+    async with Sources(s3cfg(s3_server.endpoint_url)) as sources:
+        assert (await sources.head(f"s3://{bucket}/c.tar")).size == len(b"remote bytes")
+        assert isinstance(await sources.source_for(f"s3://{bucket}/x"), S3Source)
+    assert on_loop == []

@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import AsyncExitStack
 from typing import Any
 
+from aiobotocore.session import AioSession
 from cached_client.urls import parse
 
 from ..config import S3Config
@@ -20,6 +22,8 @@ from .s3 import S3Source
 
 __all__ = ["FileSource", "ObjectInfo", "Opened", "S3Source", "Sink", "Source", "Sources"]
 
+log = logging.getLogger(__name__)
+
 
 class Sources(OwnsStack):
     """Every remote tier behind one ``head``/``open``/``fetch``, dispatching on the URL
@@ -29,7 +33,11 @@ class Sources(OwnsStack):
     on the first ``s3://`` URL, so a daemon that only reads ``file://`` shards never
     walks the AWS credential chain (whose instance-metadata probe can take seconds off
     EC2). All S3 URLs share that one client and its connection pool. ``session`` is
-    passed to :class:`S3Source`.
+    passed to :class:`S3Source`; without one, a session is made at the start, in a
+    thread, and reads S3's service model and endpoint rules there (botocore's JSON: about
+    0.1 s of CPU), so that the first ``s3://`` URL does not spend them on the event loop
+    while every other request waits (docs/decisions.md, D29). That reads files only: no
+    credentials, no network.
     """
 
     def __init__(
@@ -41,14 +49,19 @@ class Sources(OwnsStack):
         self._stack: AsyncExitStack | None = None
         self._by_scheme: dict[str, Source] = {}
         self._lock = asyncio.Lock()
+        self._warming: asyncio.Future[AioSession | None] | None = None
 
     async def __aenter__(self) -> Sources:
         self._stack = AsyncExitStack()
         self._by_scheme["file"] = await self._stack.enter_async_context(FileSource())
+        if self._session is None:
+            self._warming = asyncio.ensure_future(asyncio.to_thread(_warmed_session))
         return self
 
     def _closed(self) -> None:
         self._by_scheme.clear()
+        if self._warming is not None:
+            self._warming.cancel()  # the thread ends on its own, a moment later
 
     async def source_for(self, url: str) -> Source:
         """The tier that serves ``url``; raises :class:`FetchError` for a bad URL."""
@@ -63,9 +76,16 @@ class Sources(OwnsStack):
             if self._stack is None:
                 raise RuntimeError("Sources is not open: use `async with Sources(cfg)`")
             if scheme not in self._by_scheme and scheme == "s3":
-                s3 = S3Source(self._s3_cfg, self._on_retry, session=self._session)
+                s3 = S3Source(self._s3_cfg, self._on_retry, session=await self._s3_session())
                 self._by_scheme["s3"] = await self._stack.enter_async_context(s3)
             return self._by_scheme[scheme]
+
+    async def _s3_session(self) -> Any:
+        """The session to create the S3 client from: the one given, else the one warmed at
+        the start (None, a fresh one, should warming it have failed)."""
+        if self._session is not None or self._warming is None:
+            return self._session
+        return await self._warming
 
     async def head(self, url: str) -> ObjectInfo:
         """Look ``url`` up in its tier (see :meth:`Source.head`)."""
@@ -86,3 +106,16 @@ class Sources(OwnsStack):
         """Stream ``info.url`` from its tier into ``sink`` (see :meth:`Source.fetch`)."""
         source = await self.source_for(info.url)
         await source.fetch(info, sink, rewind=rewind, opened=opened)
+
+
+def _warmed_session() -> AioSession | None:
+    """A botocore session whose loader holds S3's service model and endpoint rules (what
+    creating a client reads first); run in a thread. None if that fails: it is only a
+    head start, the client then loads what it needs itself."""
+    try:
+        session = AioSession()
+        session.warm_up_loader_caches("s3")
+    except Exception as exc:
+        log.debug("warming botocore's S3 model failed: %s", exc)
+        return None
+    return session
