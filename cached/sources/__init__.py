@@ -109,13 +109,17 @@ class Sources(OwnsStack):
 
 
 def _warmed_session() -> AioSession | None:
-    """A botocore session whose loader holds S3's service model and endpoint rules (what
-    creating a client reads first); run in a thread. None if that fails: it is only a
-    head start, the client then loads what it needs itself."""
+    """A botocore session whose loader holds what creating an S3 client reads (the
+    service model, the endpoint rules, the partitions and defaults); run in a thread.
+    None if that fails: it is only a head start, the client then reads them itself."""
     try:
         session = AioSession()
-        session.warm_up_loader_caches("s3")
+        loader = session.get_component("data_loader")
+        for name in ("endpoints", "partitions", "sdk-default-configuration", "_retry"):
+            loader.load_data_with_path(name)
+        for kind in ("service-2", "endpoint-rule-set-1"):
+            loader.load_service_model("s3", kind, api_version=None)
     except Exception as exc:
-        log.debug("warming botocore's S3 model failed: %s", exc)
+        log.debug("reading botocore's S3 model ahead failed: %s", exc)
         return None
     return session
