@@ -172,6 +172,8 @@ def run_variant(
         one = metered(name, functools.partial(common.fast_pass, fast))
         note = f"pinned host buffers: {fast.pin_memory}"
         specs.append(common.Spec(name, "fast", one, workers=0, note=note))
+    if args.only:
+        specs = [s for s in specs if any(part in s.config for part in args.only)]
     common.read_files(shards.paths)  # page cache: every file read once before timing
     before = daemon.status()["counters"]
     results = common.measure_all(specs, repeats=args.repeats, expect=expect, log=log)
@@ -201,6 +203,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--workers", action="append", default=[], help="DataLoader workers (default 0,1,2)"
     )
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        help="run only the configurations whose name contains this (repeatable), e.g. "
+        "'(local)' for the daemon's CPU per GB to local readers",
+    )
     args: argparse.Namespace = common.shard_set_args(p, argv, repeats=3)
     args.workers = common.parse_ints(args.workers or ["0,1,2"])
     return args
@@ -220,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "repeats": args.repeats,
             "workers": args.workers,
             "fast_batch_size": args.batch_size,
+            "only": args.only,
         },
         "variants": [],
     }
@@ -260,12 +270,13 @@ def run_shard_set(
     finally:
         for path in shards.paths:  # keep /tmp small between shard sets
             path.unlink(missing_ok=True)
-    best = max((r for r in results if r.group == "webdataset"), key=lambda r: r.samples_per_s)
-    common.set_ratios(results, best.samples_per_s)
+    peers = [r for r in results if r.group == "webdataset"]
+    best = max(peers, key=lambda r: r.samples_per_s) if peers else None
+    common.set_ratios(results, best.samples_per_s if best is not None else 0.0)
     title = (
         f"{common.human(size)} samples ({shards.samples:,} samples, {len(shards.paths)} shards, "
         f"{common.human(shards.payload_bytes)} payload), median of {args.repeats}; "
-        f"ratio = samples/s vs best WebDataset ({best.config})"
+        + (f"ratio = samples/s vs best WebDataset ({best.config})" if best else "no WebDataset run")
     )
     log(f"\n{title}\n{common.table(results, 'ratio')}")
     aims = check_aims(results, size)
@@ -277,7 +288,7 @@ def run_shard_set(
         "samples": shards.samples,
         "payload_bytes": shards.payload_bytes,
         "tar_bytes": shards.tar_bytes,
-        "baseline": best.config,
+        "baseline": best.config if best is not None else None,
         "daemon": facts,
         "aims": aims,
         "results": [r.record() for r in results],

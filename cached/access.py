@@ -18,6 +18,13 @@ system, so the answer cannot tell whether such a path exists. The refusal's mess
 the same whatever the path. What stays possible: a user who can write inside an allowed
 directory can swap a file for a symlink between this check and the read; allow only
 directories that untrusted users cannot write to.
+
+A request's ``file://`` URL that was admitted is admitted again without a look for
+:data:`ADMITTED_S` (a reader names each shard in its open ahead, its open, its read and
+the release of its pin, within moments): the check that consults the file system runs in
+a worker thread, and that hand-off was a third of the daemon's CPU per shard served to
+local readers (docs/decisions.md, D30). So a link swapped inside an allowed directory is
+refused up to that long later. Refusals are not remembered, nor are a plan's URLs.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import operator
 import os
 import posixpath
 import re
+import time
 from collections.abc import Iterable, Sequence
 from itertools import compress, repeat
 
@@ -38,6 +46,10 @@ from .errors import CachedError
 DEFAULT_ALLOW = ("s3://",)
 # A plan names up to a million URLs: checked in a worker thread beyond this many.
 _INLINE_MAX = 64
+# How long a request's admitted URL is admitted again without a look (see the module's
+# doc), and how many such URLs are remembered at most.
+ADMITTED_S = 2.0
+ADMITTED_MAX = 65_536
 # An s3:// URL whose text is its own lexical form and the key parse() finds: no escapes,
 # query, fragment, user info or port, no whitespace (urlsplit drops tabs and newlines), no
 # "." or ".." segment and no "//". A prefix match of the text itself settles it.
@@ -64,16 +76,34 @@ class Access:
             for p in self.allow
             if p.startswith("file://")
         )
+        # URL -> until when it is admitted without a look (a request's, not a plan's).
+        self._admitted: dict[str, float] = {}
 
     async def check(self, urls: Iterable[str]) -> None:
         """Check every URL. A few ``s3://`` URLs (an open, a read) are checked at once; a
         plan's many, or any other URL (``file://`` ones consult the file system), in a
-        worker thread, so that the event loop keeps serving."""
+        worker thread, so that the event loop keeps serving. A request's URLs admitted in
+        the last :data:`ADMITTED_S` are not looked at again."""
         given = list(urls)
-        if len(given) <= _INLINE_MAX and all(u.startswith("s3://") for u in given):
-            self._check_all(self._needs_a_look(given))
-        else:
+        if len(given) > _INLINE_MAX:  # a plan
             await asyncio.to_thread(lambda: self._check_all(self._needs_a_look(given)))
+            return
+        now = time.monotonic()
+        look = [u for u in self._needs_a_look(given) if self._admitted.get(u, 0.0) <= now]
+        if all(u.startswith("s3://") for u in look):
+            self._check_all(look)
+        elif look:
+            await asyncio.to_thread(self._check_all, look)
+            self._remember(look, now + ADMITTED_S)
+
+    def _remember(self, urls: list[str], until: float) -> None:
+        """``urls`` were admitted: they are again, without a look, until ``until``."""
+        if len(self._admitted) + len(urls) > ADMITTED_MAX:
+            now = time.monotonic()
+            self._admitted = {u: t for u, t in self._admitted.items() if t > now}
+            if len(self._admitted) + len(urls) > ADMITTED_MAX:
+                self._admitted.clear()
+        self._admitted.update(dict.fromkeys(urls, until))
 
     def _needs_a_look(self, given: list[str]) -> list[str]:
         """The distinct URLs a plain prefix match cannot settle. A plan names up to a

@@ -31,6 +31,11 @@ DEFAULT_RATE = 1.0
 RATE_ALPHA = 0.3
 # Observations closer together than this are merged (cursor moves of pipelined reads).
 MIN_RATE_INTERVAL_S = 0.05
+# Listeners hear of cursor moves at most this often (the prefetcher walks its whole window
+# at each change: at every shard a fast local reader reads, that was a third of the
+# daemon's CPU); a move in between is told by :meth:`Planner.flush`, which the caller of
+# :meth:`Planner.advance` runs when it says (docs/decisions.md, D30).
+NOTIFY_INTERVAL_S = MIN_RATE_INTERVAL_S
 # Index work on a plan (a million URLs is a plan the protocol allows) is done in steps of
 # this many URLs, so that the daemon's event loop can serve between them.
 INDEX_STEP = 20_000
@@ -93,6 +98,8 @@ class Planner:
         # Bumped on every change, so the prefetcher knows when to look again.
         self.version = 0
         self._listeners: list[Callable[[], None]] = []
+        self._told_at = -math.inf  # clock of the last notice to the listeners
+        self._untold = False  # a cursor move not told yet (see advance)
         self._median = (-1, DEFAULT_RATE)  # (version, median observed rate)
 
     # -- updates from clients ------------------------------------------------------------
@@ -138,15 +145,19 @@ class Planner:
             if i % step == 0:
                 yield
 
-    def advance(self, key: str, cursor: int) -> None:
-        """Stream ``key`` reads position ``cursor`` of its plan (piggy-backed on reads)."""
+    def advance(self, key: str, cursor: int) -> float | None:
+        """Stream ``key`` reads position ``cursor`` of its plan (piggy-backed on reads).
+
+        The listeners hear of a move at once unless they heard of a change in the last
+        :data:`NOTIFY_INTERVAL_S`; then the move is told by :meth:`flush`, and the return
+        value says in how many seconds to call it (None: nothing left untold)."""
         plan = self._plans.get(key)
         if plan is None:
-            return
+            return None
         now = self.clock()
         plan.seen = now
         if cursor <= plan.cursor:
-            return
+            return None
         plan.cursor = min(cursor, len(plan.urls))
         plan.cursor_at = now
         elapsed = now - plan._moved_at
@@ -155,7 +166,18 @@ class Planner:
             old = observed if plan.rate is None else plan.rate
             plan.rate = RATE_ALPHA * observed + (1 - RATE_ALPHA) * old
             plan._moved_at, plan._moved_from = now, plan.cursor
-        self._changed()
+        self.version += 1
+        wait = self._told_at + NOTIFY_INTERVAL_S - now
+        if wait > 0:
+            self._untold = True
+            return wait
+        self._tell(now)
+        return None
+
+    def flush(self) -> None:
+        """Tell the listeners of cursor moves that :meth:`advance` left untold."""
+        if self._untold:
+            self._tell(self.clock())
 
     def expire(self) -> int:
         """Drop plans whose stream went quiet for ``timeout_s``; returns how many."""
@@ -181,11 +203,16 @@ class Planner:
             yield from self._unindex(plan, step)
 
     def on_change(self, listener: Callable[[], None]) -> None:
-        """Call ``listener`` after every change (the prefetcher's wake-up)."""
+        """Call ``listener`` after every change (the prefetcher's wake-up); cursor moves
+        at most every :data:`NOTIFY_INTERVAL_S` (see :meth:`advance`)."""
         self._listeners.append(listener)
 
     def _changed(self) -> None:
         self.version += 1
+        self._tell(self.clock())
+
+    def _tell(self, now: float) -> None:
+        self._told_at, self._untold = now, False
         for listener in self._listeners:
             listener()
 

@@ -209,6 +209,8 @@ class Server:
         self._plans_lock = asyncio.Lock()
         # Request tasks that are opens ahead (hints, not demands): see drain.
         self._hints: set[asyncio.Task[Any]] = set()
+        # The planner's deferred notice of cursor moves (see _advance).
+        self._flush: asyncio.TimerHandle | None = None
         metrics.requests_in_flight.set_function(lambda: len(self._tasks))
         self.max_read_samples = max_read_samples
         self._status = status or (lambda: {})
@@ -303,6 +305,8 @@ class Server:
                 task.cancel()
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -496,10 +500,17 @@ class Server:
                 await asyncio.sleep(0)
 
     def _advance(self, header: Header) -> None:
-        """Reads name the stream's plan and position: the cursor rides along for free."""
+        """Reads name the stream's plan and position: the cursor rides along for free. A
+        move the planner does not tell its listeners at once is told a moment later."""
         key = header.get("plan")
         if isinstance(key, str) and key:
-            self.planner.advance(key, _int(header, "pos"))
+            wait = self.planner.advance(key, _int(header, "pos"))
+            if wait is not None and self._flush is None:
+                self._flush = asyncio.get_running_loop().call_later(wait, self._flushed)
+
+    def _flushed(self) -> None:
+        self._flush = None
+        self.planner.flush()
 
     async def _open(self, header: Header, client: bytes) -> Header:
         shard, _, hit = await self._shard(header, client, count=True)

@@ -4,6 +4,7 @@ client) and says the same whether the path exists or not."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,42 @@ def test_allow_from_the_file_and_the_environment(tmp_path: Path) -> None:
     toml.write_text('[server]\nallow = "s3://"\n')
     with pytest.raises(ConfigError, match="not a list of strings"):
         load(toml, env={})
+
+
+def test_a_requests_admission_is_remembered_briefly_and_a_refusal_never(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A reader names each shard in three or four requests within moments; the look at the
+    # file system runs in a worker thread, so an admitted URL is admitted again without a
+    # look for ADMITTED_S (D30). The trade-off, pinned here: a file swapped for a link out
+    # of the directory is refused only once that has passed.
+    import asyncio
+
+    from cached import access as access_module
+
+    monkeypatch.setattr(access_module, "ADMITTED_S", 0.3)
+    data, outside = tmp_path / "data", tmp_path / "outside" / "real.tar"
+    url, later = shard(data / "a.tar"), shard(data / "b.tar")
+    shard(outside)
+    access = Access([f"{data.as_uri()}/"])
+
+    def swap(name: str) -> None:
+        (data / name).unlink()
+        (data / name).symlink_to(outside)
+
+    asyncio.run(access.check([url]))
+    swap("a.tar")
+    asyncio.run(access.check([url]))  # admitted moments ago: no look
+    time.sleep(0.35)
+    with pytest.raises(DaemonForbidden):
+        asyncio.run(access.check([url]))
+    with pytest.raises(DaemonForbidden):  # refusals are not remembered...
+        asyncio.run(access.check([url]))
+    (data / "a.tar").unlink()
+    shard(data / "a.tar")
+    asyncio.run(access.check([url]))  # ...so a repair counts at once
+    # A plan's URLs are not remembered: the request that follows looks again.
+    asyncio.run(access.check([later] * 100))
+    swap("b.tar")
+    with pytest.raises(DaemonForbidden):
+        asyncio.run(access.check([later]))

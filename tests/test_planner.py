@@ -7,7 +7,7 @@ import math
 import pytest
 
 from cached import config
-from cached.planner import DEFAULT_RATE, Planner
+from cached.planner import DEFAULT_RATE, NOTIFY_INTERVAL_S, Planner
 from cached.policy import POLICIES, BeladyPolicy, make_policy
 
 
@@ -82,12 +82,36 @@ def test_listeners_hear_every_change() -> None:
     p = Planner(timeout_s=10, clock=clock)
     heard: list[int] = []
     p.on_change(lambda: heard.append(p.version))
-    p.update("a", ["u"])
-    p.advance("a", 1)
-    p.advance("a", 1)  # no move: no change
+    p.update("a", ["u", "v"])
+    clock.now = 1.0
+    assert p.advance("a", 1) is None  # told at once
+    assert p.advance("a", 1) is None  # no move: no change
     clock.now = 20.0
     p.expire()
     assert heard == [1, 2, 3]
+
+
+def test_cursor_moves_are_told_at_most_every_interval_and_none_is_lost() -> None:
+    # The prefetcher walks its whole window at each notice: a fast local reader's every
+    # shard was one walk (D30). Moves in between are told once, when the caller flushes.
+    clock = Clock()
+    p = Planner(clock=clock)
+    heard: list[int] = []
+    p.on_change(lambda: heard.append(p.plans()[0].cursor))
+    p.update("a", [f"u{i}" for i in range(10)])
+    clock.now = 0.01
+    wait = p.advance("a", 1)
+    assert wait == pytest.approx(NOTIFY_INTERVAL_S - 0.01)
+    assert p.advance("a", 2) is not None
+    assert heard == [0]  # the plan's install only
+    assert p.version == 3  # the state moved: eviction's order sees it at once
+    clock.now = NOTIFY_INTERVAL_S
+    p.flush()
+    p.flush()  # nothing left untold
+    assert heard == [0, 2]
+    clock.now = 1.0
+    assert p.advance("a", 3) is None  # a quiet interval since: told at once
+    assert heard == [0, 2, 3]
 
 
 def test_belady_evicts_unplanned_first_then_the_furthest_needed() -> None:
