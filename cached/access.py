@@ -79,22 +79,37 @@ class Access:
         # URL -> until when it is admitted without a look (a request's, not a plan's).
         self._admitted: dict[str, float] = {}
 
-    async def check(self, urls: Iterable[str]) -> None:
+    def settled(self, urls: Sequence[str]) -> bool:
+        """Whether every URL of a request is admitted without a look: an ``s3://`` URL
+        where all are allowed (the default), or one admitted in the last
+        :data:`ADMITTED_S`. The serving path asks this first, to spare itself
+        :meth:`check` (a coroutine and a walk) for what it asked moments ago."""
+        now = time.monotonic()
+        admitted = self._admitted
+        return all(
+            admitted.get(u, 0.0) > now or (self._all_s3 and u.startswith("s3://")) for u in urls
+        )
+
+    async def check(self, urls: Iterable[str], *, remember: bool = False) -> None:
         """Check every URL. A few ``s3://`` URLs (an open, a read) are checked at once; a
         plan's many, or any other URL (``file://`` ones consult the file system), in a
-        worker thread, so that the event loop keeps serving. A request's URLs admitted in
-        the last :data:`ADMITTED_S` are not looked at again."""
+        worker thread, so that the event loop keeps serving. With ``remember`` (a
+        request's URLs, not a plan's), the URLs admitted after a look are admitted again
+        without one for :data:`ADMITTED_S` (see :meth:`settled`)."""
         given = list(urls)
-        if len(given) > _INLINE_MAX:  # a plan
-            await asyncio.to_thread(lambda: self._check_all(self._needs_a_look(given)))
+        if len(given) <= _INLINE_MAX and all(u.startswith("s3://") for u in given):
+            self._check_all(self._needs_a_look(given))
             return
         now = time.monotonic()
-        look = [u for u in self._needs_a_look(given) if self._admitted.get(u, 0.0) <= now]
-        if all(u.startswith("s3://") for u in look):
-            self._check_all(look)
-        elif look:
-            await asyncio.to_thread(self._check_all, look)
-            self._remember(look, now + ADMITTED_S)
+        looked = await asyncio.to_thread(self._checked, given)
+        if remember:
+            self._remember(looked, now + ADMITTED_S)
+
+    def _checked(self, given: list[str]) -> list[str]:
+        """Check ``given``; returns the URLs that needed a look (all admitted)."""
+        look = self._needs_a_look(given)
+        self._check_all(look)
+        return look
 
     def _remember(self, urls: list[str], until: float) -> None:
         """``urls`` were admitted: they are again, without a look, until ``until``."""

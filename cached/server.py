@@ -3,6 +3,11 @@
 Each request is handled in its own task, so one client's demand miss never blocks another
 client's hits. Payload frames are memoryview slices of the shard's mmap, sent with
 ``copy=False``: the bytes go from the page cache to the socket without a Python copy.
+
+The socket is a plain (blocking-API) ZeroMQ socket driven from the event loop by its file
+descriptor, received from and sent to without blocking: zmq.asyncio's futures, handlers
+and flag enums cost more per request than a local reader's open or read itself did
+(docs/decisions.md, D30).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -65,6 +70,9 @@ _PRIORITY = {"demand": DEMAND, "prefetch": PREFETCH, "ahead": AHEAD}
 FEATURES = ("release",)
 # URLs one request may release (a reader holds a few pins at a time).
 MAX_RELEASED = 64
+# A reply the client's queue cannot take yet (its high-water mark) is tried again after
+# this long, doubling up to the second figure.
+SEND_RETRY_S = (0.001, 0.05)
 # A stream counts as live this long after its last read or open, lease or not: a reader
 # whose reads take whole shards at once holds each lease only for a moment.
 ACTIVE_S = 10.0
@@ -214,8 +222,10 @@ class Server:
         metrics.requests_in_flight.set_function(lambda: len(self._tasks))
         self.max_read_samples = max_read_samples
         self._status = status or (lambda: {})
-        self._ctx = zmq.asyncio.Context()
-        self._sock: zmq.asyncio.Socket | None = None
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket[bytes] | None = None
+        # Set when the socket's descriptor signals (or a send saw messages waiting).
+        self._readable = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._active = asyncio.Semaphore(MAX_ACTIVE_REQUESTS)
         self.bound_endpoint = endpoint
@@ -235,7 +245,7 @@ class Server:
                     f"{self.endpoint}): {exc.strerror or exc}; create it for the daemon's user "
                     "(under systemd, RuntimeDirectory= does), or choose another socket"
                 ) from exc
-            if path.exists() and await _answers(self._ctx, self.endpoint):  # noqa: ASYNC240
+            if path.exists() and await _answers(self.endpoint):  # noqa: ASYNC240
                 raise CachedError(
                     f"another cached daemon is already serving at {self.endpoint}; "
                     "stop it or choose another [server] socket"
@@ -316,14 +326,47 @@ class Server:
         self._ctx.term()
 
     async def serve(self) -> None:
-        """Receive requests until cancelled; each runs in its own task."""
-        assert self._sock is not None, "use `async with Server(...)` first"
+        """Receive requests until cancelled; each runs in its own task. The descriptor
+        signals changes, not messages: every message waiting is taken whenever it does,
+        and ``_send`` looks again after each reply (a send may take the signal)."""
+        sock = self._sock
+        assert sock is not None, "use `async with Server(...)` first"
+        fd = cast(int, sock.getsockopt(zmq.FD))
+        loop = asyncio.get_running_loop()
+        loop.add_reader(fd, self._readable.set)
+        try:
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    self._readable.clear()
+                    if not _waiting(sock):
+                        await self._readable.wait()
+                    continue
+                await self._active.acquire()
+                task = asyncio.create_task(self._handle(frames))
+                self._tasks.add(task)
+                task.add_done_callback(self._done)
+        finally:
+            loop.remove_reader(fd)
+
+    async def _send(self, frames: list[Any]) -> None:
+        """Send a reply without blocking; one the client's queue cannot take yet is tried
+        again a moment later. Raises ``zmq.ZMQError`` for a client that went away."""
+        sock = self._sock
+        assert sock is not None
+        delay, most = SEND_RETRY_S
         while True:
-            frames = await self._sock.recv_multipart(copy=True)
-            await self._active.acquire()
-            task = asyncio.create_task(self._handle(frames))
-            self._tasks.add(task)
-            task.add_done_callback(self._done)
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            finally:
+                if _waiting(sock):
+                    self._readable.set()
+            await asyncio.sleep(delay)
+            delay = min(most, delay * 2)
 
     async def expire_leases(self) -> None:
         """Release lapsed leases and drop quiet plans periodically, until cancelled."""
@@ -389,9 +432,8 @@ class Server:
         if op not in Op.__members__.values():
             op = "unknown"
         self.metrics.requests.labels(op, result).inc()
-        assert self._sock is not None
         try:
-            await self._sock.send_multipart([ident, _encode(reply), *payload], copy=False)
+            await self._send([ident, _encode(reply), *payload])
         except zmq.ZMQError as exc:
             # The client went away (EHOSTUNREACH): nothing to deliver, nothing to keep.
             log.debug("reply to a vanished client dropped: %s", exc)
@@ -410,7 +452,9 @@ class Server:
             return
         # An oversized plan is refused by _plan (bad_request) without this costly walk.
         if isinstance(named, list) and len(named) <= self.max_plan_shards:
-            await self.access.check(u for u in named if isinstance(u, str))
+            urls = [u for u in named if isinstance(u, str)]
+            if op == Op.PLAN or not self.access.settled(urls):
+                await self.access.check(urls, remember=op != Op.PLAN)
 
     async def _dispatch(
         self, op: str, header: Header, client: bytes = b""
@@ -581,6 +625,11 @@ class Server:
         return reply, frames
 
 
+def _waiting(sock: zmq.Socket[bytes]) -> bool:
+    """Whether a message waits on ``sock`` (reading its events also re-arms its descriptor)."""
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
 def _chosen(sample: Sample, wanted: frozenset[str] | None) -> list[Member]:
     """The sample's members a read asked for (``exts``; None: all)."""
     return [m for m in sample.members if wanted is None or m.ext in wanted]
@@ -622,8 +671,9 @@ def _local_layout(
     return kept
 
 
-async def _answers(ctx: zmq.asyncio.Context, endpoint: str) -> bool:
+async def _answers(endpoint: str) -> bool:
     """Whether a daemon already answers at ``endpoint`` (so we must not steal its socket)."""
+    ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
@@ -632,3 +682,4 @@ async def _answers(ctx: zmq.asyncio.Context, endpoint: str) -> bool:
         return bool(await sock.poll(300))
     finally:
         sock.close(linger=0)
+        ctx.term()

@@ -178,19 +178,27 @@ def test_a_requests_admission_is_remembered_briefly_and_a_refusal_never(
         (data / name).unlink()
         (data / name).symlink_to(outside)
 
-    asyncio.run(access.check([url]))
+    def check(urls: list[str], remember: bool = True) -> None:
+        # What the server does: a look only where the answer is not settled.
+        if not access.settled(urls):
+            asyncio.run(access.check(urls, remember=remember))
+
+    assert not access.settled([url])
+    check([url])
+    assert access.settled([url])
     swap("a.tar")
-    asyncio.run(access.check([url]))  # admitted moments ago: no look
+    check([url])  # admitted moments ago: no look
     time.sleep(0.35)
+    assert not access.settled([url])
     with pytest.raises(DaemonForbidden):
-        asyncio.run(access.check([url]))
+        check([url])
     with pytest.raises(DaemonForbidden):  # refusals are not remembered...
-        asyncio.run(access.check([url]))
+        check([url])
     (data / "a.tar").unlink()
     shard(data / "a.tar")
-    asyncio.run(access.check([url]))  # ...so a repair counts at once
+    check([url])  # ...so a repair counts at once
     # A plan's URLs are not remembered: the request that follows looks again.
-    asyncio.run(access.check([later] * 100))
+    check([later] * 100, remember=False)
     swap("b.tar")
     with pytest.raises(DaemonForbidden):
-        asyncio.run(access.check([later]))
+        check([later])
