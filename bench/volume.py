@@ -12,10 +12,19 @@ as ``file://`` URLs, and ``CachedDataset`` in a DataLoader with worker processes
 over several epochs. Per epoch it records:
 
 - ``fetched``: the daemon's ``fetched_bytes`` counter over the epoch / the dataset;
-- ``for_epoch``: the fetches whose next read falls in this epoch (a fetch serves the next
-  read of its shard; the last shards of a cold epoch's window may serve the next epoch);
-- ``twice``: fetches of a shard that was fetched again before anyone read it (a prefetch
-  evicted before its read);
+- ``for_epoch``: the bytes fetched *for* the epoch: each fetch of the daemon's fetch log
+  (its ``fetched URL ... (N bytes)`` line: URL, bytes, when) is attributed to the epoch
+  whose read of that shard first follows it, whenever it happened (the last shards of a
+  cold epoch's window are prefetched for the next epoch before the boundary);
+- ``ahead``: of the bytes fetched during the epoch, those fetched for a later epoch;
+- ``unread``: bytes fetched during the epoch that no read followed (the run's end
+  included); ``twice`` (``wasted`` in the JSON): bytes fetched during the epoch of a
+  shard fetched again before anyone read it (a prefetch evicted before its read), and
+  their count per run; ``again``: shards fetched more than once for one epoch's reads;
+
+So ``fetched`` = ``for_epoch`` - (what earlier epochs fetched for it) + ``ahead`` +
+``unread`` + ``twice``: an epoch's counter above the dataset with ``for_epoch`` at 1.000x
+and nothing ``twice`` is the next epoch's shards, fetched early, not waste.
 - ``min``, ``min_slots``: MIN over the reads the daemon saw (each shard's first pin per
   epoch, in order), with the hot tier's capacity, and with one shard less per reader.
 
@@ -29,13 +38,15 @@ seeds ``--first-seed`` on. It prints figures and asserts nothing.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,27 +62,47 @@ from cached.config import load
 from cached.daemon import Daemon
 from cached.local import daemon_in_thread
 
-# (time, "fetch" | "read", url, bytes held): publications and pins, as the daemon did them.
+# (time, "fetch" | "read", url, bytes): the daemon's fetches (bytes fetched) and pins (a
+# reader's lease on the shard; bytes held), in order.
 Event = tuple[float, str, str, int]
 
 
-def watch(daemon: Daemon) -> list[Event]:
-    """Record every publication (the policy hears of it) and every pin (a reader's lease)."""
-    events: list[Event] = []
-    hot, policy = daemon.hot, daemon.hot.policy
-    on_insert, pin = policy.on_insert, hot.pin
+class _FetchLog(logging.Handler):
+    """Takes the daemon's fetch log (``cached.fetcher``'s ``fetched %s from the %s tier (%d
+    bytes) in %.2fs``, logged once per download as it is published) as events."""
 
-    def inserted(sid: str, url: str) -> None:
-        events.append((time.monotonic(), "fetch", url, 0))
-        on_insert(sid, url)
+    def __init__(self, events: list[Event]) -> None:
+        super().__init__(logging.INFO)
+        self.events = events
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, str) and record.msg.startswith("fetched %s from the"):
+            assert isinstance(record.args, tuple)
+            url, _tier, size = record.args[:3]
+            assert isinstance(size, int)
+            self.events.append((time.monotonic(), "fetch", str(url), size))
+
+
+@contextmanager
+def watch(daemon: Daemon) -> Iterator[list[Event]]:
+    """Record every download (the daemon's fetch log) and every pin (a reader's lease)."""
+    events: list[Event] = []
+    hot, pin = daemon.hot, daemon.hot.pin
 
     def pinned(shard: Any) -> None:
         events.append((time.monotonic(), "read", shard.url, shard.reserved_bytes))
         pin(shard)
 
-    policy.on_insert = inserted  # type: ignore[method-assign,assignment]
     hot.pin = pinned  # type: ignore[method-assign]
-    return events
+    logger = logging.getLogger("cached.fetcher")
+    handler, level = _FetchLog(events), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield events
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def fetched_bytes(daemon: Daemon) -> float:
@@ -89,29 +120,55 @@ def count(batch: list[Any]) -> int:
     return len(batch)
 
 
-def attribute(
-    events: Sequence[Event], windows: Sequence[tuple[float, float]]
-) -> tuple[list[int], int]:
-    """Per epoch, the fetches whose next read falls in it; and the fetches followed by
-    another fetch of the same shard before any read."""
-    served, twice = [0] * len(windows), 0
-    for i, (_, kind, url, _) in enumerate(events):
+@dataclass
+class Attributed:
+    """Fetched bytes per epoch by what they were fetched for (see the module's doc)."""
+
+    for_epoch: list[int]
+    ahead: list[int]
+    unread: list[int]
+    wasted: list[int]  # bytes of the fetches counted in ``twice``, by when they happened
+    twice: int
+    again: int
+
+
+def attribute(events: Sequence[Event], windows: Sequence[tuple[float, float]]) -> Attributed:
+    """Each fetch to the epoch whose read of its shard first follows it; the fetches no
+    read followed, and those followed by another fetch of the shard first."""
+    n = len(windows)
+    out = Attributed([0] * n, [0] * n, [0] * n, [0] * n, 0, 0)
+    consumed: set[tuple[int, str]] = set()
+
+    def epoch_at(t: float) -> int:  # the last epoch that started by then
+        return max([0] + [e for e, (start, _) in enumerate(windows) if start <= t])
+
+    for i, (t, kind, url, size) in enumerate(events):
         if kind != "fetch":
             continue
-        following = next(((t, k) for t, k, u, _ in events[i + 1 :] if u == url), None)
-        if following is not None and following[1] == "fetch":
-            twice += 1
-        elif following is not None:
-            for epoch, (start, end) in enumerate(windows):
-                if start <= following[0] <= end:
-                    served[epoch] += 1
-    return served, twice
+        following = next(((t2, k) for t2, k, u, _ in events[i + 1 :] if u == url), None)
+        during = epoch_at(t)
+        if following is None:
+            out.unread[during] += size
+        elif following[1] == "fetch":
+            out.twice += 1
+            out.wasted[during] += size
+        else:
+            epoch = epoch_at(following[0])
+            out.for_epoch[epoch] += size
+            if epoch != during:
+                out.ahead[during] += size
+            out.again += (epoch, url) in consumed
+            consumed.add((epoch, url))
+    return out
 
 
 def min_per_epoch(
     events: Sequence[Event], windows: Sequence[tuple[float, float]], capacity: int
 ) -> list[int]:
-    """Bytes MIN fetches per epoch over the reads seen (first pin per shard and epoch)."""
+    """Bytes MIN fetches per epoch over the reads seen (first pin per shard and epoch):
+    its choices with the room each shard takes in the hot tier, its bytes counted as the
+    daemon's fetch log counts them (the shard's own size), like ``for_epoch``."""
+    fetched = {url: size for _, kind, url, size in events if kind == "fetch"}
     sequence: list[tuple[str, int]] = []
     epochs: list[int] = []
     for epoch, (start, end) in enumerate(windows):
@@ -123,9 +180,9 @@ def min_per_epoch(
                 epochs.append(epoch)
     out = [0] * len(windows)
     missed = min_misses(sequence, capacity)
-    for (_, size), miss, epoch in zip(sequence, missed, epochs, strict=True):
+    for (url, size), miss, epoch in zip(sequence, missed, epochs, strict=True):
         if miss:
-            out[epoch] += size
+            out[epoch] += fetched.get(url, size)
     return out
 
 
@@ -146,8 +203,7 @@ def one_run(
         if endpoint is not None:
             overrides["s3.endpoint_url"] = endpoint
         cfg = load(None, env={}, overrides=overrides)
-        with daemon_in_thread(cfg, start_timeout_s=60) as (daemon, _loop):
-            events = watch(daemon)
+        with daemon_in_thread(cfg, start_timeout_s=60) as (daemon, _loop), watch(daemon) as events:
             ds = CachedDataset(urls, socket=daemon.server.bound_endpoint, shuffle=True, seed=seed)
             loader = DataLoader(
                 ds,
@@ -167,12 +223,16 @@ def one_run(
                     raise RuntimeError(f"epoch {epoch} delivered {delivered} of {args.samples}")
             del loader
     shard = max(size for _, kind, _, size in events if kind == "read")
-    served, twice = attribute(events, windows)
+    done = attribute(events, windows)
     return {
         "seed": seed,
         "fetched": fetched,
-        "for_epoch": served,
-        "twice": twice,
+        "for_epoch": done.for_epoch,
+        "ahead": done.ahead,
+        "unread": done.unread,
+        "wasted": done.wasted,
+        "twice": done.twice,
+        "again": done.again,
         "min": min_per_epoch(events, windows, args.capacity),
         "min_slots": min_per_epoch(events, windows, args.capacity - args.workers * shard),
         "shard_bytes": shard,
@@ -202,17 +262,25 @@ def stage(args: argparse.Namespace, work: Path, stack: ExitStack) -> tuple[list[
 
 def summary(runs: Sequence[dict[str, Any]], dataset: int) -> str:
     """Medians per epoch, as shares of the dataset, and each epoch against MIN's slots."""
-    shard = statistics.median(r["shard_bytes"] for r in runs)
-    lines = ["epoch  fetched  for epoch    min  min_slots  for epoch / min_slots"]
+    lines = [
+        "epoch  fetched  for epoch  max for epoch   ahead  unread  twice    min  min_slots  "
+        "for epoch / min_slots"
+    ]
+
+    def median(key: str, e: int) -> float:
+        return float(statistics.median(r[key][e] for r in runs)) / dataset
+
     for e in range(len(runs[0]["fetched"])):
-        got = statistics.median(r["fetched"][e] for r in runs) / dataset
-        own = statistics.median(r["for_epoch"][e] * shard for r in runs) / dataset
-        low = statistics.median(r["min"][e] for r in runs) / dataset
-        slots = statistics.median(r["min_slots"][e] for r in runs) / dataset
+        own, slots = median("for_epoch", e), median("min_slots", e)
+        most = max(r["for_epoch"][e] for r in runs) / dataset
         lines.append(
-            f"{e:>5}  {got:>6.3f}x  {own:>8.3f}x  {low:.3f}x  {slots:>8.3f}x  {own / slots:>10.3f}x"
+            f"{e:>5}  {median('fetched', e):>6.3f}x  {own:>8.3f}x  {most:>12.3f}x  "
+            f"{median('ahead', e):>5.3f}x  {median('unread', e):>5.3f}x  "
+            f"{median('wasted', e):>5.3f}x  "
+            f"{median('min', e):.3f}x  {slots:>8.3f}x  {own / slots:>10.3f}x"
         )
     lines.append(f"fetched twice before a read, per run: {[r['twice'] for r in runs]}")
+    lines.append(f"fetched again for one epoch's reads, per run: {[r['again'] for r in runs]}")
     return "\n".join(lines)
 
 
