@@ -13,6 +13,7 @@ and flag enums cost more per request than a local reader's open or read itself d
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -156,8 +157,14 @@ def _str(header: Header, name: str) -> str:
 
 def _url(header: Header) -> str:
     url = _str(header, "url")
-    parse(url)  # ValueError naming the URL: a bad request, not a failed fetch
+    _valid(url)  # ValueError naming the URL: a bad request, not a failed fetch
     return url
+
+
+@functools.lru_cache(maxsize=1 << 14)  # a reader names each shard in a few requests
+def _valid(url: str) -> None:
+    """Raise ``ValueError`` naming ``url`` if it is not a shard URL (remembered if it is)."""
+    parse(url)
 
 
 def _released(header: Header) -> list[str]:

@@ -101,8 +101,8 @@ class Shard:
     # False for a shard reloaded at start until its file has been read back and checked.
     verified: bool = True
     published: float = 0.0  # Unix time
-    # (inode, size, mtime_ns) of the published file, for local readers (HotTier.locate).
-    identity: tuple[int, int, int] | None = None
+    # Where local readers find the published file (HotTier.locate), made once per copy.
+    location: dict[str, Any] | None = None
     # Counts renewals: a check that ran on an earlier copy does not judge the current one.
     generation: int = 0
     _map: mmap.mmap | None = field(default=None, repr=False)
@@ -117,7 +117,7 @@ class Shard:
         self.index = None
         self.checksum = None
         self.verified = True
-        self.identity = None
+        self.location = None
         self._map = None
 
     def view(self, path: Path) -> memoryview:
@@ -294,21 +294,20 @@ class HotTier:
     def locate(self, shard: Shard) -> dict[str, Any]:
         """Where a local reader finds a READY shard's bytes: the file's path, and its
         identity (inode, size, mtime), by which the reader tells the daemon's file from a
-        namesake (another host's hot tier, another mount)."""
-        path = self._tar(shard.shard_id)
-        if shard.identity is None:
-            st = path.stat()  # once per copy: a published file never changes
-            shard.identity = (st.st_ino, st.st_size, st.st_mtime_ns)
-        ino, size, mtime_ns = shard.identity
-        index = shard.index
-        algorithm = index.algorithm if index is not None and self.verify_reads else None
-        return {
-            "path": str(path),
-            "ino": ino,
-            "size": size,
-            "mtime_ns": mtime_ns,
-            "algorithm": algorithm,
-        }
+        namesake (another host's hot tier, another mount). Made once per copy (a
+        published file never changes) and shared by every reply: do not modify it."""
+        if shard.location is None:
+            path = self._tar(shard.shard_id)
+            st = path.stat()
+            index = shard.index
+            shard.location = {
+                "path": str(path),
+                "ino": st.st_ino,
+                "size": st.st_size,
+                "mtime_ns": st.st_mtime_ns,
+                "algorithm": index.algorithm if index is not None and self.verify_reads else None,
+            }
+        return shard.location
 
     def pin(self, shard: Shard) -> None:
         """A reader holds the shard: it cannot be evicted until :meth:`unpin`."""
@@ -431,6 +430,7 @@ class HotTier:
             # On the loop, with no await before the fields are set: one pass over members.
             shard.index = shard.index.with_checksums(found.member_sums, ALGORITHM)
             shard.checksum = found.whole
+            shard.location = None  # its algorithm is known now
             await self._rewrite_sidecar(shard)
             log.info("%s predates checksums: %s; checksums stored", shard.url, found.detail)
         shard.verified = True
