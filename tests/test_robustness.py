@@ -257,3 +257,42 @@ async def test_waiters_cancelled_twice_leave_the_others_waking(tmp_path: Path) -
     await asyncio.sleep(0)
     hot._notify()
     await asyncio.wait_for(again, 2)
+
+
+def test_replies_a_slow_client_cannot_take_yet_wait_and_others_are_served(
+    tmp_path: Path,
+) -> None:
+    """The socket is sent to without blocking (D30): replies past a client's queue (the
+    ROUTER's high-water mark of 1000, then the kernel's buffer) are tried again until the
+    client reads; each arrives once, and another client is answered meanwhile. Through
+    zmq.asyncio (fd2f543) the last replies never arrived: their sends waited for a
+    writable event that did not come."""
+    sent = 1200
+    with thread_daemon(daemon_config(tmp_path, None)) as d:
+        ctx = zmq.Context()
+        slow = ctx.socket(zmq.DEALER)
+        slow.setsockopt(zmq.RCVHWM, 1)
+        slow.setsockopt(zmq.LINGER, 0)
+        slow.connect(d.socket)
+        try:
+            for i in range(sent):  # ~3 KB replies: far more than the queues hold
+                slow.send(encode({"op": "status", "id": i}))
+            gauge = d.daemon.metrics.requests_in_flight
+
+            def in_flight() -> float:
+                return float(d.call(lambda: gauge.collect()[0].samples[0].value))
+
+            deadline = time.monotonic() + 10
+            while in_flight() == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)
+            assert in_flight() > 0  # replies waiting to go out
+            started = time.monotonic()
+            Connection(d.socket).request({"op": "hello", "v": 1})
+            assert time.monotonic() - started < 2.0
+            ids = [decode(slow.recv())["id"] for _ in range(sent)]
+            assert sorted(ids) == list(range(sent))
+            assert not slow.poll(200)  # nothing twice
+        finally:
+            slow.close(0)
+            ctx.term()
