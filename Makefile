@@ -65,6 +65,7 @@ bench: $(STAMP)
 	$(PY) bench/verify.py
 	$(PY) bench/fetch_cpu.py
 	$(PY) bench/cold_requests.py
+	$(PY) bench/fast_parts.py
 	$(PY) bench/volume.py
 	$(PY) bench/seed.py --repeats 3 --torch-threads 1
 
@@ -78,6 +79,7 @@ bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/verify.py --small
 	$(PY) bench/fetch_cpu.py --small
 	$(PY) bench/cold_requests.py --small
+	$(PY) bench/fast_parts.py --small
 	$(PY) bench/volume.py --shards 8 --samples 160 --epochs 2 --repeats 1
 	$(PY) bench/soak.py --small
 	$(PY) bench/seed.py --small
