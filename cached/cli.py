@@ -202,9 +202,11 @@ def _status(socket: str, as_json: bool) -> int:
         f"fetched   {format_size(c['fetched_bytes'])}, {c['retries']:.0f} retries, "
         f"{c['evictions']:.0f} evictions"
     )
+    # What local readers read from the files: the local replies they could use.
+    local_bytes = c.get("local_read_bytes", 0.0) - c.get("local_fallback_bytes", 0.0)
     print(
         f"served    {c['served_samples']:.0f} samples, {format_size(c['served_bytes'])} "
-        f"({format_size(c.get('local_read_bytes', 0.0))} read from the files by local readers), "
+        f"({format_size(local_bytes)} read from the files by local readers), "
         f"{status['streams']} streams"
     )
     tiers, pre = status["tiers"], status["prefetch"]

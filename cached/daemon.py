@@ -236,6 +236,7 @@ class Daemon:
                 "served_samples": _value(m.served_samples),
                 "served_bytes": _value(m.served_bytes),
                 "local_read_bytes": _value(m.local_read_bytes),
+                "local_fallback_bytes": _value(m.local_fallback_bytes),
                 "retries": _value(m.retries),
                 "corrupt_shards": _value(m.corrupt_shards),
             },

@@ -68,7 +68,14 @@ class Metrics:
         )
         self.local_read_bytes = Counter(
             "cached_local_read_bytes_total",
-            "Payload bytes local clients read from the hot tier's files, not sent",
+            "Payload bytes of reads answered for local clients to read from the hot tier's "
+            "files, not sent (less cached_local_fallback_bytes_total: what they read)",
+            registry=r,
+        )
+        self.local_fallback_bytes = Counter(
+            "cached_local_fallback_bytes_total",
+            "Payload bytes of local replies a client could not use and asked again through "
+            "the socket (sent then; counted as served once)",
             registry=r,
         )
         self.requests = Counter(

@@ -627,8 +627,13 @@ class Server:
             self.metrics.local_read_bytes.inc(nbytes)
         elif stop == n:
             self.leases.release(stream, shard.shard_id)
-        self.metrics.served_samples.inc(stop - start)
-        self.metrics.served_bytes.inc(nbytes)
+        if header.get("refetch") is True and not local:
+            # A local reply the reader could not use (no file there, a failed checksum),
+            # asked again here: counted as served once, with the local reply.
+            self.metrics.local_fallback_bytes.inc(nbytes)
+        else:
+            self.metrics.served_samples.inc(stop - start)
+            self.metrics.served_bytes.inc(nbytes)
         return reply, frames
 
 

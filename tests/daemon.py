@@ -64,9 +64,15 @@ class ThreadDaemon:
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
 
     def served(self) -> tuple[float, float]:
-        """(payload bytes served, those of them read by local readers from the files)."""
+        """(payload bytes served, those of them read by local readers from the files: the
+        local replies, less those a reader could not use and asked again for)."""
         m = self.daemon.metrics
-        return self.call(lambda: (m.served_bytes._value.get(), m.local_read_bytes._value.get()))
+
+        def get() -> tuple[float, float]:
+            local = m.local_read_bytes._value.get() - m.local_fallback_bytes._value.get()
+            return m.served_bytes._value.get(), local
+
+        return self.call(get)
 
 
 @contextmanager

@@ -399,6 +399,8 @@ class Connection:
 
         def refetch() -> list[zmq.Frame]:
             request = {k: v for k, v in sent.items() if k not in ("id", "local")}
+            # Says that the local reply went unused, so the daemon counts its bytes once.
+            request["refetch"] = True
             return self.wait(self.send(request, local=False))[1]
 
         return Reply(header, [], local=LocalRead(self._files, header, refetch, self._lost))
