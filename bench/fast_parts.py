@@ -3,18 +3,21 @@
 Issue 11 asks FastLoader to read warm local shards at 0.7x a raw ``readinto`` of the same
 files. This says which part keeps it from that. One ``cached serve`` daemon (a subprocess)
 holds the shards in its hot tier; one FastLoader in this process reads them locally
-(D25, D26), alternated with a raw read of the files, in four forms:
+(D25, D26, D32), alternated with a raw read of the files, in four forms:
 
   raw             ``readinto`` of every shard file into one reused buffer (page cache)
-  full            FastLoader as shipped: layout, requests, ``preadv`` runs, XXH3 checks
+  full            FastLoader as shipped: requests, and each reply laid out, read by
+                  ``preadv`` runs and checked (XXH3) by the compiled reader (D32)
   no-checks       the same without the XXH3 check of each member
-  no-reads        without the checks and without the copies (``preadv`` answers at once):
-                  what is left is Python (layout, requests, batches) and the daemon
+  python          the same as ``full`` in Python: the reads where the compiled reader is
+                  not built (no C compiler at install), as before D32
 
 Each form's pass is timed, with the process's CPU time and the daemon's; medians of
-``--repeats`` alternated rounds. The difference between forms is what the part left out
-costs. The forms other than ``full`` patch the client module in this process only (its
-``os.preadv`` and its checksum table): a measurement, never a way to run.
+``--repeats`` alternated rounds. In ``full`` and ``no-checks`` the time inside the
+compiled reader's calls (copies and checks, without the GIL) is timed too: the rest of
+the pass is Python, requests and waiting for the daemon. The forms other than ``full``
+patch the client module in this process only (its checksum table, its compiled reader):
+a measurement, never a way to run.
 
     python bench/fast_parts.py               # 64 shards of 4 MB (256 MB), 9 rounds
     python bench/fast_parts.py --small       # the CI run: every path, seconds
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import tempfile
@@ -41,29 +43,41 @@ from cached_client.fast import FastLoader
 
 from bench import common
 
-FORMS = ("raw", "full", "no-checks", "no-reads")
+FORMS = ("raw", "full", "no-checks", "python")
 
 
-def _all_read(fd: int, buffers: Sequence[Any], offset: int) -> int:
-    """``os.preadv`` that copies nothing and says every byte was read."""
-    return sum(len(b) for b in buffers)
+class _Timed:
+    """The compiled reader with the time inside its ``read`` calls added up."""
+
+    def __init__(self, compiled: Any) -> None:
+        self._compiled = compiled
+        self.layout = compiled.layout
+        self.seconds = 0.0
+
+    def read(self, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._compiled.read(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
 
 
 @contextlib.contextmanager
-def _form(name: str) -> Iterator[None]:
-    """Leave out the parts the form ``name`` leaves out, for the duration."""
+def _form(name: str) -> Iterator[_Timed | None]:
+    """Leave out the parts the form ``name`` leaves out, for the duration; yields the
+    timed compiled reader (None in the ``python`` form)."""
     digests = dict(local_reads._DIGESTS)
-    preadv = os.preadv
-    if name in ("no-checks", "no-reads"):
+    compiled = local_reads.GATHER
+    if compiled is None:
+        raise RuntimeError("cached_client._gather is not built: pip install -e ./client")
+    timed = _Timed(compiled) if name != "python" else None
+    local_reads.GATHER = timed  # type: ignore[assignment]  # shaped like the module
+    if name == "no-checks":
         local_reads._DIGESTS.clear()
-    if name == "no-reads":
-        # The client module calls ``os.preadv`` through the global ``os``: put it back
-        # in ``finally``.
-        os.preadv = _all_read  # type: ignore[assignment]
     try:
-        yield
+        yield timed
     finally:
-        os.preadv = preadv
+        local_reads.GATHER = compiled
         local_reads._DIGESTS.update(digests)
 
 
@@ -84,39 +98,50 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, A
             wall: dict[str, list[float]] = {f: [] for f in FORMS}
             cpu: dict[str, list[float]] = {f: [] for f in FORMS}
             dcpu: dict[str, list[float]] = {f: [] for f in FORMS}
+            reads: dict[str, list[float]] = {f: [] for f in FORMS}
             for _ in range(args.repeats):
                 for name in FORMS:
                     c0, d0, t0 = time.process_time(), daemon.cpu_s(), time.perf_counter()
                     if name == "raw":
                         common.read_files(shards.paths)
                     else:
-                        with _form(name):
+                        with _form(name) as timed:
                             common.fast_pass(fast)
+                        if timed is not None:
+                            reads[name].append(timed.seconds)
                     wall[name].append(time.perf_counter() - t0)
                     cpu[name].append(time.process_time() - c0)
                     dcpu[name].append(daemon.cpu_s() - d0)
     raw = statistics.median(wall["raw"])
     rows: dict[str, dict[str, Any]] = {}
-    log(f"{'form':<12} {'pass ms':>8} {'x raw':>6} {'client CPU ms':>14} {'daemon CPU ms':>14}")
+    log(
+        f"{'form':<12} {'pass ms':>8} {'x raw':>6} {'in C ms':>8} {'client CPU ms':>14} "
+        f"{'daemon CPU ms':>14}"
+    )
     for name in FORMS:
         median = statistics.median(wall[name])
+        in_c = statistics.median(reads[name]) if reads[name] else None
         rows[name] = {
             "pass_s": median,
             "vs_raw": raw / median,
+            "compiled_read_s": in_c,
             "client_cpu_s": statistics.median(cpu[name]),
             "daemon_cpu_s": statistics.median(dcpu[name]),
             "runs_s": wall[name],
         }
         r = rows[name]
+        c_ms = f"{in_c * 1e3:8.1f}" if in_c is not None else f"{'':>8}"
         log(
-            f"{name:<12} {median * 1e3:8.1f} {raw / median:5.2f}x "
+            f"{name:<12} {median * 1e3:8.1f} {raw / median:5.2f}x {c_ms} "
             f"{r['client_cpu_s'] * 1e3:14.0f} {r['daemon_cpu_s'] * 1e3:14.0f}"
         )
-    full, no_checks, no_reads = (rows[f]["pass_s"] for f in ("full", "no-checks", "no-reads"))
+    full, no_checks = rows["full"], rows["no-checks"]
     log(
-        f"the parts of a full pass: checks {(full - no_checks) * 1e3:.1f} ms, copies "
-        f"{(no_checks - no_reads) * 1e3:.1f} ms, the rest (Python, requests, the daemon) "
-        f"{no_reads * 1e3:.1f} ms; the raw read {raw * 1e3:.1f} ms"
+        f"the parts of a full pass: copies {no_checks['compiled_read_s'] * 1e3:.1f} ms and "
+        f"checks {(full['compiled_read_s'] - no_checks['compiled_read_s']) * 1e3:.1f} ms in "
+        f"the compiled reader, the rest (Python, requests, the daemon) "
+        f"{(full['pass_s'] - full['compiled_read_s']) * 1e3:.1f} ms; the raw read "
+        f"{raw * 1e3:.1f} ms; in Python the pass takes {rows['python']['pass_s'] * 1e3:.1f} ms"
     )
     return {"samples": shards.samples, "payload_bytes": shards.payload_bytes, "forms": rows}
 

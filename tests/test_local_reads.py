@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import cached_client.local as local_module
 import pytest
 from cached_client import CachedDataset, FastLoader, LocalReadsUnavailable
 from cached_client.local import MAX_GAP
@@ -94,13 +95,20 @@ def test_fast_loader_reads_the_files_into_its_ring(
     assert served == local == sum(map(len, want.values()))
 
 
+@pytest.mark.parametrize("reader", ["compiled", "python"])
 def test_fast_loader_reads_runs_of_members_in_one_call_and_skips_what_it_was_not_asked(
-    s3_server: S3Server, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    s3_server: S3Server,
+    bucket: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    reader: str,
 ) -> None:
     """FastLoader reads the members of a run of samples with one ``preadv`` (the tar
     headers between them into scratch space), splits a run at a member it did not ask for
     that is larger than the gap a read may span, and every byte lands where it belongs:
-    members of uneven sizes, one empty, batches that end mid-shard."""
+    members of uneven sizes, one empty, batches that end mid-shard. The compiled reader
+    (D32) does the same in one call per reply and batch; tests/test_gather.py compares
+    the two member by member."""
     rng = random.Random(7)
     want: dict[str, tuple[bytes, bytes]] = {}
     shards = []
@@ -117,15 +125,28 @@ def test_fast_loader_reads_runs_of_members_in_one_call_and_skips_what_it_was_not
     urls = upload(s3_server, bucket, shards)
     calls = []
     real = os.preadv
+    compiled = local_module.GATHER
+    if reader == "python":
+        monkeypatch.setattr(local_module, "GATHER", None)
 
     def counted(fd: int, buffers: Any, offset: int) -> int:
         calls.append(len(buffers))
         return real(fd, buffers, offset)
 
+    class Counted:  # the compiled reader, its calls counted
+        layout = compiled.layout
+
+        @staticmethod
+        def read(*args: Any) -> Any:
+            calls.append(-1)
+            return compiled.read(*args)
+
     with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
         loader = FastLoader(urls, socket=d.socket, batch_size=16, exts=["a", "c"])
         loader.lengths()  # the shards resident, so every read below is local
         monkeypatch.setattr(os, "preadv", counted)
+        if reader == "compiled":
+            monkeypatch.setattr(local_module, "GATHER", Counted)
         seen = {}
         for batch in loader:
             a, c = batch.data["a"].numpy(), batch.data["c"].numpy()
@@ -137,7 +158,9 @@ def test_fast_loader_reads_runs_of_members_in_one_call_and_skips_what_it_was_not
     assert seen == want
     assert served == local
     # 180 members asked for; split at each big member skipped (13) and at batch ends.
-    assert len(calls) < 180 // 4
+    assert 0 < len(calls) < 180 // 4
+    # Each reader alone: the compiled one never calls os.preadv, the Python one does.
+    assert set(calls) == {-1} if reader == "compiled" else -1 not in calls
 
 
 def test_a_local_reader_gives_its_pins_back_with_its_next_request(
@@ -365,6 +388,7 @@ def _bins(loader: str, urls: list[str], socket: str) -> dict[str, bytes]:
     """Every sample's ``bin`` member, read by a CachedDataset or a FastLoader."""
     if loader == "dataset":
         return {s["__key__"]: s["bin"] for s in CachedDataset(urls, socket=socket)}
+    assert loader.startswith("fast")
     got = {}
     for batch in FastLoader(urls, socket=socket, batch_size=8, exts=["bin"]):
         data, offs = batch.data["bin"].numpy(), batch.offsets["bin"]
@@ -372,19 +396,23 @@ def _bins(loader: str, urls: list[str], socket: str) -> dict[str, bytes]:
     return got
 
 
-@pytest.mark.parametrize("loader", ["dataset", "fast"])
+@pytest.mark.parametrize("loader", ["dataset", "fast", "fast-python"])
 def test_a_rotten_byte_is_caught_by_the_reader_and_healed_through_the_socket(
     s3_server: S3Server,
     data: tuple[list[str], dict[str, bytes]],
     tmp_path: Path,
+    *,
     loader: str,
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The disk flips a byte of a resident shard. A local reader checks each member
     against the daemon's checksum (FastLoader: after reading a run of them at once), asks
     for that read through the socket, where the daemon finds the rot, drops the copy and
     fetches a good one: the bytes are right."""
     urls, want = data
+    if loader == "fast-python":  # FastLoader where the compiled reader is not built
+        monkeypatch.setattr(local_module, "GATHER", None)
     with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
         assert sum(1 for _ in CachedDataset(urls[:1], socket=d.socket)) == 20
         hot = d.daemon.hot
@@ -416,3 +444,31 @@ def test_members_taken_after_their_file_was_closed_are_still_right(
             os.close(other)
         conn.close()
     assert got == {k: v for k, v in want.items() if k.startswith("s0000-")}
+
+
+@pytest.mark.parametrize(
+    "path", ["compiled", "python", "socket"], ids=["local-compiled", "local-python", "socket"]
+)
+def test_a_batch_across_shards_keeps_its_first_bytes_when_its_buffer_grows(
+    s3_server: S3Server, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """A batch that begins in one shard's reply and grows its buffer in the next one's:
+    the members of the first are kept (the buffers grew without them before D32's tests
+    found it: 1.5 MB of a 2.4 MB batch read back as zeros)."""
+    shards = dataset_shards(3, 10, payload=150_000)  # 1.5 MB a shard, buffers start at 1 MiB
+    urls = upload(s3_server, bucket, shards)
+    want = expected(shards, 10, 150_000)
+    if path == "python":
+        monkeypatch.setattr(local_module, "GATHER", None)
+    with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
+        got = {}
+        loader = FastLoader(
+            urls, socket=d.socket, batch_size=16, exts=["bin"], local_reads=path != "socket"
+        )
+        for batch in loader:
+            data, offs = batch.data["bin"].numpy(), batch.offsets["bin"]
+            got.update((k, data[offs[i] : offs[i + 1]].tobytes()) for i, k in enumerate(batch.keys))
+        served, local = d.served()
+    assert got == want
+    assert served == sum(map(len, want.values()))
+    assert local == (served if path != "socket" else 0)

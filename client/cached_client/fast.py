@@ -23,7 +23,7 @@ from . import jobs, partition, resume
 from .buffers import Batch, Ring, Slot, pinned_memory_available
 from .device import CopyStream, require_device, with_index
 from .errors import ProtocolError, UsageError, check_reply
-from .local import choose
+from .local import LocalRead, choose, laid_out, plan_places
 from .reader import announce, pipelined_reads, shard_lengths
 from .resume import Position, Ref
 from .transport import Connection, Reply, resolve_endpoint
@@ -311,6 +311,11 @@ class _Filling:
         Their places are laid out first and the buffers grown once, so that every
         member is received in one call (:meth:`Reply.read_many`: from a local reply, one
         read per run of the file, not one per member)."""
+        before = dict(self.used)  # the bytes of earlier replies, kept when a buffer grows
+        local = reply.local
+        if local is not None and local.plannable():
+            self._receive_planned(samples, local, before)
+            return
         places: list[tuple[str, int]] = []  # (ext, at) of each member, in order
         sizes: list[int] = []
         used, offsets, keys = self.used, self.offsets, self.keys
@@ -328,8 +333,7 @@ class _Filling:
                 for offs in offsets.values():
                     if len(offs) < n + 2:  # this sample has no such member
                         offs.append(offs[-1])
-        for ext, end in used.items():
-            self.slot.region(ext, 0, end)  # grown first: the views below stay valid
+        self._grow(before)
         whole = self.slot.views
         views = [whole[ext][at : at + size] for (ext, at), size in zip(places, sizes, strict=True)]
         got = reply.read_many(views)
@@ -342,6 +346,39 @@ class _Filling:
                 else "the reply has fewer payload frames than it announced"
             )
             raise ProtocolError(f"{_owner(samples, i)}.{places[i][0]}: {what}")
+
+    def _grow(self, before: dict[str, int]) -> None:
+        """Make every buffer hold what is laid out in it, keeping the bytes received
+        ``before`` (a batch that began in an earlier reply); grown first, so that the views
+        taken after stay valid."""
+        for ext, end in self.used.items():
+            at = before.get(ext, 0)
+            self.slot.region(ext, at, end - at)
+
+    def _receive_planned(
+        self,
+        samples: Sequence[tuple[str, list[list[Any]]]],
+        local: LocalRead,
+        before: dict[str, int],
+    ) -> None:
+        """:meth:`receive` for a local reply, by the compiled reader (D32): one call lays
+        the members out, one reads and checks them."""
+        exts: list[str] = []
+        plan = laid_out(samples, self.used, self.offsets, self.keys, exts, checked=local.checked())
+        self._grow(before)
+        whole = self.slot.views
+        got = local.read_planned(plan, [whole[ext] for ext in exts])
+        if got is None:
+            return
+        places = plan_places(plan)  # fell back to the socket: its frames' sizes, checked
+        for i, (e, _at, size) in enumerate(places):
+            if i >= len(got) or got[i] != size:
+                what = (
+                    f"a frame of {got[i]} bytes, announced {size}"
+                    if i < len(got)
+                    else "the reply has fewer payload frames than it announced"
+                )
+                raise ProtocolError(f"{_owner(samples, i)}.{exts[e]}: {what}")
 
     def batch(self) -> Batch:
         data = {ext: self.slot.buffers[ext][:n] for ext, n in self.used.items()}

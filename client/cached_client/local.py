@@ -17,11 +17,15 @@ the connection then reads through the socket as before (docs/protocol.md, "Local
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 import os
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import xxhash
@@ -34,6 +38,24 @@ from .protocol import Header
 _DIGESTS = {"xxh3_64": xxhash.xxh3_64_intdigest}
 
 log = logging.getLogger(__name__)
+
+
+def _compiled() -> ModuleType | None:
+    """``cached_client._gather``, FastLoader's local reads in C (D32); None where the
+    install could not build it (no C compiler): the same reads then run in Python."""
+    try:
+        return importlib.import_module(f"{__package__}._gather")
+    except ImportError as exc:
+        log.info("the compiled local reader is not installed (%s); reading in Python", exc)
+        return None
+
+
+# The compiled reader, or None. A module attribute, so that a test or a benchmark can
+# run the Python reads in its place.
+GATHER = _compiled()
+# One member of a compiled plan (_gather.c, struct place): ext index, flags, place in its
+# buffer, size, offset in the file, checksum.
+_PLACE = struct.Struct("=IIQQQQ")
 
 # Environment variable that forces the choice for every loader of a process: "auto"
 # (the default), "on" (local or fail), "off" (always through the socket).
@@ -106,10 +128,7 @@ class LocalFiles:
             raise ProtocolError("a local reply without its file's path")
         algorithm = where.get("algorithm")
         digest = _DIGESTS.get(algorithm) if isinstance(algorithm, str) else None
-        # Each member is [ext, size, offset, checksum].
-        members = [m for _key, ms in header.get("samples", []) for m in ms]
-        spans = [(int(m[2]), int(m[1]), m[3] if digest else None) for m in members]
-        return LocalPayload(self, where, str(header.get("url", "")), spans, digest)
+        return LocalPayload(self, header, where, digest)
 
     def fd(self, where: dict[str, Any], url: str) -> int:
         """The open file the reply ``where`` names (opened, and checked, once). Raises
@@ -156,30 +175,55 @@ class LocalPayload:
     it again (or fails over to the socket), never a descriptor number reused since."""
 
     def __init__(
-        self,
-        files: LocalFiles,
-        where: dict[str, Any],
-        url: str,
-        spans: Sequence[tuple[int, int, int | None]],
-        digest: Any,
+        self, files: LocalFiles, header: Header, where: dict[str, Any], digest: Any
     ) -> None:
         self._files = files
+        self._header = header
         self._where = where
-        self._url = url
-        self.spans = spans
+        self._url = str(header.get("url", ""))
         self._digest = digest
+
+    @functools.cached_property
+    def spans(self) -> list[tuple[int, int, int | None]]:
+        """Each member's (offset, size, checksum or None), in order. Made when first
+        needed: the compiled reader takes them from its plan instead."""
+        # Each member is [ext, size, offset, checksum].
+        members = [m for _key, ms in self._header.get("samples", []) for m in ms]
+        digest = self._digest
+        return [(int(m[2]), int(m[1]), m[3] if digest else None) for m in members]
+
+    @property
+    def checked(self) -> bool:
+        """Whether the members are checked: the daemon gives a checksum this reader knows."""
+        return self._digest is not None
+
+    def read_planned(self, plan: bytes, buffers: list[Any]) -> None:
+        """Read the members of a compiled ``plan`` (:func:`laid_out`) into ``buffers``,
+        one per extension index, with :data:`GATHER`: the same runs and checks as
+        :meth:`read_many`, in one call. Raises :class:`LocalUnavailable`."""
+        assert GATHER is not None
+        fd = self._files.fd(self._where, self._url)
+        failed = GATHER.read(fd, plan, buffers, 0, len(plan) // _PLACE.size)
+        if failed is not None:
+            why, offset = failed
+            if why == "short":
+                raise self._short(offset)
+            raise self._failed_check(offset)
 
     def _span(self, i: int) -> tuple[int, int, int | None]:
         if i >= len(self.spans):
             raise ProtocolError("the reply has fewer members than it announced")
         return self.spans[i]
 
+    def _failed_check(self, offset: int) -> LocalUnavailable:
+        return LocalUnavailable(
+            f"{self._where['path']}: the member at byte {offset} fails its checksum",
+            lasting=False,
+        )
+
     def _check(self, data: Any, offset: int, checksum: int | None) -> None:
         if checksum is not None and self._digest(data) != checksum:
-            raise LocalUnavailable(
-                f"{self._where['path']}: the member at byte {offset} fails its checksum",
-                lasting=False,
-            )
+            raise self._failed_check(offset)
 
     def read_many(self, first: int, buffers: Sequence[Any]) -> list[int]:
         """Read members ``first, first + 1, ...`` into ``buffers`` (byte buffers, one each,
@@ -238,6 +282,29 @@ class LocalPayload:
             raise self._short(offset)
         self._check(data, offset, checksum)
         return data
+
+
+def laid_out(
+    samples: Sequence[tuple[str, list[list[Any]]]],
+    used: dict[str, int],
+    offsets: dict[str, list[int]],
+    keys: list[str],
+    exts: list[str],
+    *,
+    checked: bool,
+) -> bytes:
+    """The compiled layout of ``samples`` in a batch (FastLoader's ``_Filling.receive``):
+    ``used``, ``offsets`` and ``keys`` extended as the Python loop would; ``exts`` gets
+    the names of the plan's extension indices. Only where :data:`GATHER` is built."""
+    assert GATHER is not None
+    rows = samples if isinstance(samples, list) else list(samples)
+    plan: bytes = GATHER.layout(rows, used, offsets, keys, exts, checked)
+    return plan
+
+
+def plan_places(plan: bytes) -> list[tuple[int, int, int]]:
+    """Each member of a compiled plan as (extension index, place in its buffer, size)."""
+    return [(ext, at, size) for ext, _f, at, size, _o, _c in _PLACE.iter_unpack(plan)]
 
 
 def copy_frame(frame: Any, buffer: Any) -> int:
@@ -323,6 +390,36 @@ class LocalRead:
         assert self._socket is not None
         frames = self._socket[first : first + len(buffers)]
         return [copy_frame(frame, buffer) for frame, buffer in zip(frames, buffers, strict=False)]
+
+    def plannable(self) -> bool:
+        """Whether :meth:`read_planned` reads from the file with the compiled reader (not
+        after the read fell back to the socket, nor where the reader is not built)."""
+        return GATHER is not None and self._socket is None
+
+    def checked(self) -> bool:
+        """Whether a plan for this reply should carry the members' checksums."""
+        try:
+            return self._source().checked
+        except ProtocolError:
+            return False  # read_planned raises it
+
+    def read_planned(self, plan: bytes, buffers: list[Any]) -> list[int] | None:
+        """The next members, laid out by ``plan`` (:func:`laid_out`) in ``buffers`` (one
+        per extension index): None once each is read as planned; from the socket's frames
+        once the read fell back, their sizes."""
+        count = len(plan) // _PLACE.size
+        first = self._taken
+        self._taken += count
+        if self._socket is None:
+            try:
+                self._source().read_planned(plan, buffers)
+                return None
+            except LocalUnavailable as exc:
+                self._fall_back(exc)
+        assert self._socket is not None
+        frames = self._socket[first : first + count]
+        views = [buffers[ext][at : at + size] for ext, at, size in plan_places(plan)]
+        return [copy_frame(frame, view) for frame, view in zip(frames, views, strict=False)]
 
     def frames(self) -> list[Any]:
         """Every member not yet taken, read when each is asked for its bytes."""

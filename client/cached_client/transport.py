@@ -100,6 +100,11 @@ class Reply:
             raise ProtocolError("the reply's frames were discarded: take them before the next")
         return conn._sock
 
+    @property
+    def local(self) -> LocalRead | None:
+        """A local reply's members in the shard file; None for a reply through the socket."""
+        return self._local
+
     def read_into(self, buffer: Any) -> int:
         """Receive the next payload frame into ``buffer`` (writable, at least the frame's
         size); returns the frame's size. Raises :class:`ProtocolError` if there is none."""

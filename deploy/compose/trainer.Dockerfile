@@ -20,10 +20,13 @@ FROM ${BASE} AS build
 ARG TORCH_SPEC=torch
 ARG TORCH_INDEX_URL=
 WORKDIR /src
-COPY client/pyproject.toml client/
+COPY client/pyproject.toml client/setup.py client/MANIFEST.in client/
+COPY client/csrc client/csrc
 COPY client/cached_client client/cached_client
 # torch first and alone, so that TORCH_INDEX_URL applies to it; then the client, whose
-# other dependencies (pyzmq, numpy) come from the default index.
+# other dependencies (pyzmq, numpy) come from the default index. The client's compiled
+# local reader (client/setup.py, D32) is optional: the slim base has no C compiler, so
+# this image's FastLoader reads in Python; a base with gcc builds it here.
 RUN python3 -m venv /opt/trainer \
  && /opt/trainer/bin/pip install --no-cache-dir --disable-pip-version-check -q \
       ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC" \

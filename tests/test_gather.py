@@ -1,0 +1,211 @@
+"""The compiled local reader (``cached_client._gather``, D32) against the Python one: the
+same batches from the same shard file, and the same failures said the same way.
+
+Real parts: a real tar file on disk, read with ``preadv`` by both readers into real ring
+slots, each member checked against XXH3 as the daemon computes it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xxhash
+from cached_client import local
+from cached_client.buffers import Slot
+from cached_client.fast import _Filling
+from cached_client.local import LocalFiles, LocalRead, LocalUnavailable
+
+from cached.local import make_tar
+
+RUN_BYTES = 256 << 10  # _gather.c: a run ends once it holds this many bytes
+
+
+def _shard(tmp_path: Path, seed: int) -> tuple[Path, list[tuple[str, dict[str, bytes]]]]:
+    """A tar whose members test every way a run can start and end: uneven sizes (empty,
+    a tar block's size and one either side), members larger than a run, members that a
+    reader skips larger than the gap one read spans, samples without some extension."""
+    rng = random.Random(seed)
+    samples = []
+    for i in range(60):
+        members: dict[str, bytes] = {}
+        size = rng.choice([0, 1, 511, 512, 513, rng.randrange(1, 9000), RUN_BYTES + 77])
+        members["a"] = rng.randbytes(size)
+        if i % 5 != 2:  # some samples have no "c"
+            members["c"] = str(i).encode()
+        members["skip"] = rng.randbytes(local.MAX_GAP + 1000) if i % 7 == 3 else b"s"
+        samples.append((f"k{i:03d}", members))
+    path = tmp_path / f"shard-{seed}.tar"
+    path.write_bytes(make_tar(samples))
+    return path, samples
+
+
+def _reply(path: Path, exts: set[str], *, algorithm: str = "xxh3_64") -> dict[str, Any]:
+    """A local read reply for every sample of ``path``, members in ``exts``: what the
+    daemon sends (server.py ``_local_layout``, ``HotTier.locate``)."""
+    samples: list[Any] = []
+    data = path.read_bytes()
+    with tarfile.open(path) as tar:
+        for info in tar.getmembers():
+            key, ext = info.name.split(".", 1)
+            if not samples or samples[-1][0] != key:
+                samples.append([key, []])
+            if ext in exts:
+                body = data[info.offset_data : info.offset_data + info.size]
+                member = [ext, info.size, info.offset_data, xxhash.xxh3_64_intdigest(body)]
+                samples[-1][1].append(member)
+    st = path.stat()
+    where = {"path": str(path), "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {
+        "ok": True,
+        "url": "s3://b/x.tar",
+        "samples": samples,
+        "local": {**where, "algorithm": algorithm},
+    }
+
+
+def _no_socket() -> list[Any]:
+    raise AssertionError("the read fell back to the socket")
+
+
+def _fill(
+    reply: dict[str, Any], batch: int, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> list[Any]:
+    """Receive the reply's samples into batches of ``batch``, as FastLoader does; each
+    batch's keys, offsets and bytes per extension."""
+    monkeypatch.setattr(local, "GATHER", local.GATHER if compiled else None)
+    files = LocalFiles()
+    read = LocalRead(files, reply, _no_socket, lambda exc: None)
+
+    class _Reply:  # what transport.Reply gives _Filling: the header and the local read
+        header = reply
+        local = read
+
+        def read_many(self, buffers: Any) -> list[int]:
+            return read.read_many(buffers)
+
+    out = []
+    samples = reply["samples"]
+    done = 0
+    while done < len(samples):
+        filling = _Filling(Slot())
+        take = samples[done : done + batch]
+        # Two calls per batch, as when a batch takes the end of one reply and the start
+        # of the next: the second lays out after what the first used.
+        half = len(take) // 2
+        filling.receive(take[:half], _Reply())
+        filling.receive(take[half:], _Reply())
+        got = filling.batch()
+        out.append((got.keys, got.offsets, {e: t.numpy().tobytes() for e, t in got.data.items()}))
+        done += len(take)
+    files.close()
+    monkeypatch.undo()
+    return out
+
+
+def test_the_compiled_reader_is_built_and_checks_as_the_daemon_does() -> None:
+    """The install builds it (client/setup.py): without it FastLoader reads in Python."""
+    assert local.GATHER is not None, "cached_client._gather was not built"
+    data = os.urandom(RUN_BYTES + 12345)
+    assert local.GATHER.checksum(data) == xxhash.xxh3_64_intdigest(data)
+
+
+@pytest.mark.parametrize("batch", [7, 64])
+@pytest.mark.parametrize("exts", [{"a", "c"}, {"a", "c", "skip"}, {"c"}], ids=["ac", "all", "c"])
+def test_the_compiled_and_the_python_reader_fill_the_same_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int, exts: set[str]
+) -> None:
+    path, samples = _shard(tmp_path, seed=batch)
+    reply = _reply(path, exts)
+    compiled = _fill(reply, batch, True, monkeypatch)
+    python = _fill(reply, batch, False, monkeypatch)
+    assert compiled == python
+    # And both are the shard's bytes: each member where the offsets say.
+    want = {key: {e: v for e, v in members.items() if e in exts} for key, members in samples}
+    seen: dict[str, dict[str, bytes]] = {}
+    for keys, offsets, data in compiled:
+        for i, key in enumerate(keys):
+            seen[key] = {}
+            for ext, offs in offsets.items():
+                if offs[i + 1] > offs[i] or ext in want[key]:
+                    seen[key][ext] = data[ext][offs[i] : offs[i + 1]]
+    assert seen == want
+
+
+def test_an_unknown_checksum_is_read_unchecked_by_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, _ = _shard(tmp_path, seed=3)
+    reply = _reply(path, {"a", "c"}, algorithm="sha1")
+    for samples in reply["samples"]:
+        for member in samples[1]:
+            member[3] = 0  # wrong for XXH3: a reader that checked it would fail
+    assert _fill(reply, 16, True, monkeypatch) == _fill(reply, 16, False, monkeypatch)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_a_rotten_member_and_a_short_file_are_said_with_their_offset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    """What the loader falls back to the socket on (LocalUnavailable, not lasting), said
+    alike by both readers: the member that fails, by its byte in the file."""
+    path, _ = _shard(tmp_path, seed=5)
+    reply = _reply(path, {"a", "c"})
+    victim = reply["samples"][9][1][0]
+    victim[3] ^= 1
+    monkeypatch.setattr(local, "GATHER", local.GATHER if compiled else None)
+    files = LocalFiles()
+    payload = files.payload(reply)
+    slot = Slot()
+    sizes = [m[1] for _k, ms in reply["samples"] for m in ms]
+    view = slot.region("all", 0, sum(sizes))
+    with pytest.raises(
+        LocalUnavailable, match=f"member at byte {victim[2]} fails its checksum"
+    ) as e:
+        if compiled:
+            used: dict[str, int] = {}
+            exts: list[str] = []
+            plan = local.laid_out(reply["samples"], used, {}, [], exts, checked=True)
+            payload.read_planned(plan, [slot.region(x, 0, used[x]) for x in exts])
+        else:
+            at = np.cumsum([0, *sizes])
+            payload.read_many(0, [view[at[i] : at[i + 1]] for i in range(len(sizes))])
+    assert not e.value.lasting
+    victim[3] ^= 1
+    # The file is shorter than the reply says (the member's bytes are not all there).
+    last = reply["samples"][-1][1][0]
+    last[2] = path.stat().st_size - last[1] // 2
+    payload = files.payload(reply)
+    with pytest.raises(LocalUnavailable, match="short read at") as e:
+        if compiled:
+            used, exts = {}, []
+            plan = local.laid_out(reply["samples"], used, {}, [], exts, checked=True)
+            payload.read_planned(plan, [slot.region(x, 0, used[x]) for x in exts])
+        else:
+            payload.read_many(0, [view[at[i] : at[i + 1]] for i in range(len(sizes))])
+    assert not e.value.lasting
+    files.close()
+
+
+def test_a_plan_that_does_not_fit_its_buffers_is_refused(tmp_path: Path) -> None:
+    """The compiled reader writes only inside the buffers it is given."""
+    assert local.GATHER is not None
+    path, _ = _shard(tmp_path, seed=9)
+    reply = _reply(path, {"a", "c"})
+    used: dict[str, int] = {}
+    exts: list[str] = []
+    plan = local.laid_out(reply["samples"], used, {}, [], exts, checked=True)
+    small = [bytearray(used[x] - 1) for x in exts]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match="outside its buffer"):
+            local.GATHER.read(fd, plan, small, 0, len(plan) // local.GATHER.PLACE_SIZE)
+        with pytest.raises(IndexError, match="outside the plan"):
+            local.GATHER.read(fd, plan, small, 1, len(plan) // local.GATHER.PLACE_SIZE)
+    finally:
+        os.close(fd)
