@@ -29,9 +29,16 @@ class Metrics:
         # and python_info: what an operator checks first when the daemon misbehaves.
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
-        self.hits = Counter("cached_hits_total", "Shard opens served from the hot tier", registry=r)
+        self.hits = Counter(
+            "cached_hits_total",
+            "Shard opens (and whole reads) served from the hot tier",
+            registry=r,
+        )
         self.misses = Counter(
-            "cached_misses_total", "Shard opens that had to wait for a fetch", ["kind"], registry=r
+            "cached_misses_total",
+            "Shard opens (and whole reads) that had to wait for a fetch",
+            ["kind"],
+            registry=r,
         )
         self.fetched_bytes = Counter(
             "cached_fetched_bytes_total",

@@ -68,7 +68,9 @@ _PRIORITY = {"demand": DEMAND, "prefetch": PREFETCH, "ahead": AHEAD}
 # What this daemon understands beyond protocol v1's first form, told in the hello reply:
 # "release": an open or read may carry the URLs whose pins the stream gives back, which
 # saves a local reader one ``close`` request per shard.
-FEATURES = ("release",)
+# "release": pins given back with the next open or read (D26). "whole": a read of all of a
+# shard's samples, which may ask to be answered only if the shard is resident (D33).
+FEATURES = ("release", "whole")
 # URLs one request may release (a reader holds a few pins at a time).
 MAX_RELEASED = 64
 # A reply the client's queue cannot take yet (its high-water mark) is tried again after
@@ -577,11 +579,34 @@ class Server:
             "payload": shard.index.payload_bytes,
         }
 
+    def _resident_now(self, header: Header) -> bool:
+        """Whether the shard a read names can be served at once, as an open would find it:
+        an answer from the store young enough (``[s3] revalidate_s``) and a READY copy,
+        and room to pin it ahead: a shard no reader holds yet is pinned this way only
+        while pins hold at most half the tier, so that readers' pins ahead never leave
+        too little room for the shards they wait for. Nothing is asked of the store,
+        fetched or pinned."""
+        info = self.fetcher.lookups.fresh(_url(header), revalidate=True)
+        shard = self.fetcher.resident(info) if info is not None else None
+        if shard is None:
+            return False
+        hot = self.hot
+        return (
+            bool(shard.pins) or hot.pinned_total + shard.reserved_bytes <= hot.capacity_bytes // 2
+        )
+
     async def _read(self, header: Header, client: bytes) -> tuple[Header, list[Any]]:
         start = _int(header, "start")
-        count = _int(header, "count", low=1)
+        # A whole read (D33) stands for an open and the read of every sample: it is
+        # counted and revalidated as an open, and the daemon's index says how many.
+        whole = header.get("whole") is True
+        if whole and start != 0:
+            raise ProtocolError("a whole read starts at sample 0")
+        count = self.max_read_samples if whole else _int(header, "count", low=1)
         if count > self.max_read_samples:
             raise ProtocolError(f"count {count} exceeds the limit of {self.max_read_samples}")
+        if whole and header.get("if_resident") is True and not self._resident_now(header):
+            return {"resident": False}, []  # the reader asks again when it gets there
         self._advance(header)
         exts = header.get("exts")
         if exts is not None and not (
@@ -593,12 +618,19 @@ class Server:
         # reply gives their checksums); the socket carries only this header.
         local = bool(header.get("local")) and self.local_reads
         for attempt in (1, 2):
-            shard, stream, _ = await self._shard(header, client, count=False)
+            shard, stream, _ = await self._shard(header, client, count=whole and attempt == 1)
             index = shard.index
             assert index is not None
             n = len(index.samples)
             if start > n:
                 raise OutOfRange(f"{shard.url} has {n} samples; cannot read from sample {start}")
+            if whole and local:
+                count = n  # a local reply carries no payload: no bound on its samples
+            elif whole and n > count:
+                raise ProtocolError(
+                    f"{shard.url} has {n} samples, more than one read through the socket may "
+                    f"carry ([server] max_read_samples = {count}): read it in parts"
+                )
             stop = min(n, start + count)
             if local:
                 samples, nbytes = _local_layout(index, wanted, start, stop)

@@ -94,6 +94,7 @@ class Shard:
     state: ShardState = ShardState.FETCHING
     index: ShardIndex | None = None
     pins: int = 0
+    pinned_bytes: int = 0  # what HotTier.pinned_total counts for it while pinned
     # The object as the store described it (persisted: a restart can serve the shard
     # while the store is unreachable). None for shards from sidecars that predate it.
     info: ObjectInfo | None = None
@@ -178,6 +179,7 @@ class HotTier:
         # same shard reuses the object, so that the readers' pins (and their later
         # unpins) stay on the copy they read.
         self._orphans: dict[str, Shard] = {}
+        self._pinned_total = 0  # reserved bytes of the pinned shards (pin, unpin)
         # Shards readers are waiting for, by id (see :meth:`wanted`).
         self._wanted: Counter[str] = Counter()
         self._checks: dict[str, asyncio.Task[bool]] = {}
@@ -311,7 +313,16 @@ class HotTier:
 
     def pin(self, shard: Shard) -> None:
         """A reader holds the shard: it cannot be evicted until :meth:`unpin`."""
+        if shard.pins == 0:
+            shard.pinned_bytes = shard.reserved_bytes
+            self._pinned_total += shard.pinned_bytes
         shard.pins += 1
+
+    @property
+    def pinned_total(self) -> int:
+        """The reserved bytes of every pinned shard, kept as pins come and go (O(1), where
+        :meth:`pinned_bytes` walks the tier)."""
+        return self._pinned_total
 
     @contextlib.contextmanager
     def wanted(self, shard_id: str) -> Iterator[None]:
@@ -332,6 +343,9 @@ class HotTier:
 
     def unpin(self, shard: Shard) -> None:
         """Release one pin; wakes reservations waiting for room."""
+        if shard.pins == 1:
+            self._pinned_total -= shard.pinned_bytes
+            shard.pinned_bytes = 0
         shard.pins = max(0, shard.pins - 1)
         if shard.pins == 0:
             if self._orphans.get(shard.shard_id) is shard:

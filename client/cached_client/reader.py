@@ -65,12 +65,18 @@ def shard_lengths(
         for url in urls:
             sent.append(conn.send({"op": Op.OPEN, "url": url, "stream": stream, "pin": False}))
             if len(sent) >= window:
-                lengths.append(int(conn.wait(sent.popleft())[0]["samples"]))
+                lengths.append(_length(conn, urls[len(lengths)], sent.popleft()))
         while sent:
-            lengths.append(int(conn.wait(sent.popleft())[0]["samples"]))
+            lengths.append(_length(conn, urls[len(lengths)], sent.popleft()))
     finally:
         conn.forget(list(sent))
     return lengths
+
+
+def _length(conn: Connection, url: str, rid: int) -> int:
+    header = conn.wait(rid)[0]
+    conn.remember_open(url, header)
+    return int(header["samples"])
 
 
 def done(conn: Connection, url: str, stream: str) -> None:
@@ -157,16 +163,60 @@ def _reads(
     ]
 
 
-def _next_is_demand(
-    conn: Connection, opens: deque[tuple[int, Span, int, bool]], stream: str
-) -> None:
+def _whole(
+    span: Span, pos: int, stream: str, *, exts: Sequence[str] | None, plan: str | None
+) -> Read:
+    """The one read of a whole shard that an open of this connection described (D33):
+    no open first; answered only if the shard is resident (else asked again as a demand
+    when the reader gets to it, see ``Connection.whole_read``)."""
+    header: Header = {
+        "op": Op.READ,
+        "url": span.url,
+        "stream": stream,
+        "start": 0,
+        "whole": True,
+        "if_resident": True,
+    }
+    if exts is not None:
+        header["exts"] = list(exts)
+    if plan is not None:
+        header["plan"], header["pos"] = plan, pos
+    return Read(header, span.url, pos, True, False)
+
+
+def _is_whole(span: Span) -> bool:
+    return span.start == 0 and span.stop is None and not span.picks
+
+
+def _may_pin(conn: Connection, read: Read, pending: deque[tuple[int, Read]]) -> bool:
+    """Whether ``read`` may go out now. A whole read asked only of a resident shard pins
+    the shard when it is answered; none goes out behind one seen answered "not
+    resident", so that, as with opens, a reader does not go on pinning beyond a shard it
+    will wait for. (A cheap look, at replies already received: the bound is the daemon's,
+    which keeps such pins to half its tier, see ``Server._resident_now``.)"""
+    if not read.header.get("if_resident"):
+        return True
+    for rid, before in pending:
+        if before.header.get("if_resident"):
+            answer = conn.arrived(rid)
+            if answer is not None and answer.get("resident") is False:
+                return False
+    return True
+
+
+# An entry of the opens in line: (span's index, span, the open's request id, sent ahead);
+# a request id of None stands for a shard read without an open (see _whole).
+_Opening = tuple[int, Span, int | None, bool]
+
+
+def _next_is_demand(conn: Connection, opens: deque[_Opening], stream: str) -> None:
     """The first open waiting in line is the next shard the reader needs: if it went out
     as an open ahead and the shard is not there yet, ask again as a demand (the daemon
     would otherwise leave it to its prefetcher, and the reader would wait for it)."""
     if not opens:
         return
     pos, span, rid, ahead = opens[0]
-    if ahead and not conn.has_reply(rid):
+    if ahead and rid is not None and not conn.has_reply(rid):
         conn.forget([rid])
         opened = {"op": Op.OPEN, "url": span.url, "stream": stream, "pin": False}
         opens[0] = (pos, span, conn.send(opened), False)
@@ -196,7 +246,7 @@ def pipelined_reads(
     ``plan`` names the plan announced for ``spans`` (:func:`announce`): every read carries
     it and the span's position, which is how the daemon follows this reader's progress.
     """
-    opens: deque[tuple[int, Span, int, bool]] = deque()
+    opens: deque[_Opening] = deque()
     reads: deque[Read] = deque()
     pending: deque[tuple[int, Read]] = deque()
     todo = deque(enumerate(spans))
@@ -205,6 +255,11 @@ def pipelined_reads(
         while True:
             while todo and len(opens) < MAX_OPEN_AHEAD and (not opens or len(reads) < inflight):
                 pos, span = todo.popleft()
+                if _is_whole(span) and conn.whole_read(
+                    span.url, max_bytes=LOCAL_TARGET_REQUEST_BYTES, max_samples=MAX_REQUEST_SAMPLES
+                ):
+                    opens.append((pos, span, None, False))  # read in its turn, no open
+                    continue
                 # Unpinned: a reader's pins are the shards it is reading, never the ones it
                 # looks ahead to, or a small hot tier could fill with pins and deadlock.
                 # The first read pins the shard (and fetches it again if it was evicted).
@@ -215,16 +270,22 @@ def pipelined_reads(
                     opened["ahead"] = True
                 opens.append((pos, span, conn.send(opened), bool(opens)))
             while len(pending) < inflight:
+                if reads and not _may_pin(conn, reads[0], pending):
+                    break
                 if reads:
                     read = reads.popleft()
                     pending.append((conn.send(read.header), read))
-                elif opens and (not pending or conn.has_reply(opens[0][2])):
+                elif opens and (not pending or opens[0][2] is None or conn.has_reply(opens[0][2])):
                     pos, span, rid, _ = opens.popleft()
                     _next_is_demand(conn, opens, stream)
-                    header, _ = conn.wait(rid)
-                    more = _reads(
-                        span, pos, header, stream, exts=exts, plan=plan, local=conn.asks_local
-                    )
+                    if rid is None:
+                        more = [_whole(span, pos, stream, exts=exts, plan=plan)]
+                    else:
+                        header, _ = conn.wait(rid)
+                        conn.remember_open(span.url, header)
+                        more = _reads(
+                            span, pos, header, stream, exts=exts, plan=plan, local=conn.asks_local
+                        )
                     reads.extend(more)
                     if more:
                         held.add(span.url)
@@ -243,7 +304,7 @@ def pipelined_reads(
                 if read.partial or conn.holds_local_leases:
                     done(conn, read.url, stream)
     finally:
-        conn.forget([rid for rid, _ in pending] + [rid for _, _, rid, _ in opens])
+        conn.forget([rid for rid, _ in pending] + [r for _, _, r, _ in opens if r is not None])
         for url in held:
             done(conn, url, stream)
         conn.flush_releases(stream)  # no request of this stream follows to carry them

@@ -27,6 +27,7 @@ import itertools
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -58,6 +59,8 @@ log = logging.getLogger(__name__)
 
 # With no message for this long, ask the daemon whether it is alive (a hello).
 PING_AFTER_S = 2.0
+# Shards whose open a connection remembers (a few dozen bytes each; see whole_read).
+MAX_OPENED = 1 << 16
 
 
 def resolve_endpoint(socket: str | None) -> str:
@@ -187,6 +190,11 @@ class Connection:
         self._features: frozenset[str] = frozenset()  # from the daemon's hello
         # Pins given back with the stream's next open or read ("release"), by stream.
         self._releases: dict[str, list[str]] = {}
+        # What opens said of each shard (samples, payload bytes), the most recent last: a
+        # shard read before is read again without an open (see whole_read).
+        self._opened: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        # Reads asked only of a resident shard, until their reply is taken.
+        self._if_resident: dict[int, Header] = {}
 
     def _unreachable(self) -> DaemonUnavailable:
         why = explain_unreachable(self.endpoint)
@@ -260,8 +268,27 @@ class Connection:
                 header["release"] = released
         if reply:
             self._pending[request_id] = header
+            if header.get("if_resident"):
+                self._if_resident[request_id] = header
         self._sock.send(encode(header))
         return request_id
+
+    def remember_open(self, url: str, header: Header) -> None:
+        """Keep what an open's reply said of ``url``'s shard (see :meth:`whole_read`)."""
+        self._opened[url] = (int(header["samples"]), int(header["payload"]))
+        self._opened.move_to_end(url)
+        while len(self._opened) > MAX_OPENED:
+            self._opened.popitem(last=False)
+
+    def whole_read(self, url: str, *, max_bytes: int, max_samples: int) -> bool:
+        """Whether ``url``'s shard can be read with one whole read and no open (D33): a
+        daemon that offers it, local reads on, and a shard an open of this connection has
+        described, small enough for one read. Its read then asks to be answered only if
+        the shard is resident; if it is not, :meth:`receive` asks again as a demand."""
+        if "whole" not in self._features or not self._local_on:
+            return False
+        known = self._opened.get(url)
+        return known is not None and known[0] <= max_samples and known[1] <= max_bytes
 
     @property
     def asks_local(self) -> bool:
@@ -308,6 +335,7 @@ class Connection:
             self._pending.pop(rid, None)
             self._early.pop(rid, None)
             self._local_sent.pop(rid, None)
+            self._if_resident.pop(rid, None)
 
     def wait(self, request_id: int) -> tuple[Header, list[zmq.Frame]]:
         """Wait for the reply to ``request_id`` and take all its frames; raises the mapped
@@ -331,6 +359,13 @@ class Connection:
                 self._stash(header)
             sock = self._sock  # a reconnect (see _screen) replaces it
         return request_id in self._early
+
+    def arrived(self, request_id: int) -> Header | None:
+        """The header of the reply to ``request_id`` if it has been taken off the socket
+        already (by :meth:`has_reply` or while waiting for another), still to be taken by
+        :meth:`receive`; else None. Looks at nothing on the socket: no system call."""
+        early = self._early.get(request_id)
+        return early[0] if early is not None else None
 
     def keep(self, key: str, header: Header) -> None:
         """Remember a request whose effect lives in the daemon (a plan), to send it again
@@ -391,7 +426,14 @@ class Connection:
     # -- internals -----------------------------------------------------------------------------
 
     def _reply(self, request_id: int, header: Header, frames: list[zmq.Frame] | None) -> Reply:
-        """The reply to ``request_id``; a local one reads its members from the file."""
+        """The reply to ``request_id``; a local one reads its members from the file. A
+        read asked only of a resident shard that was not is asked again, as a demand."""
+        asked = self._if_resident.pop(request_id, None)
+        if asked is not None and header.get("ok") and header.get("resident") is False:
+            self._local_sent.pop(request_id, None)
+            skip = ("id", "if_resident", "local", "release")
+            demand = {k: v for k, v in asked.items() if k not in skip}
+            return self.receive(self.send(demand), in_place=frames is None)
         sent = self._local_sent.pop(request_id, None)
         if sent is None or not header.get("ok") or "local" not in header:
             if sent is not None and header.get("ok"):
@@ -403,7 +445,8 @@ class Connection:
         self._local_answered = True
 
         def refetch() -> list[zmq.Frame]:
-            request = {k: v for k, v in sent.items() if k not in ("id", "local")}
+            skip = ("id", "local", "if_resident")
+            request = {k: v for k, v in sent.items() if k not in skip}
             # Says that the local reply went unused, so the daemon counts its bytes once.
             request["refetch"] = True
             return self.wait(self.send(request, local=False))[1]
