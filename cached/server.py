@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import struct
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -70,7 +72,8 @@ _PRIORITY = {"demand": DEMAND, "prefetch": PREFETCH, "ahead": AHEAD}
 # saves a local reader one ``close`` request per shard.
 # "release": pins given back with the next open or read (D26). "whole": a read of all of a
 # shard's samples, which may ask to be answered only if the shard is resident (D33).
-FEATURES = ("release", "whole")
+# "packed": a local read's layout as one binary frame (D34).
+FEATURES = ("release", "whole", "packed")
 # URLs one request may release (a reader holds a few pins at a time).
 MAX_RELEASED = 64
 # A reply the client's queue cannot take yet (its high-water mark) is tried again after
@@ -617,6 +620,8 @@ class Server:
         # A local reader reads the members from the file itself (and checks them: the
         # reply gives their checksums); the socket carries only this header.
         local = bool(header.get("local")) and self.local_reads
+        # FastLoader's compiled reader takes the layout as one frame, not JSON (D34).
+        packed = header.get("packed") is True
         for attempt in (1, 2):
             shard, stream, _ = await self._shard(header, client, count=whole and attempt == 1)
             index = shard.index
@@ -632,9 +637,13 @@ class Server:
                     f"carry ([server] max_read_samples = {count}): read it in parts"
                 )
             stop = min(n, start + count)
+            if local and packed:
+                layout, nbytes = _packed_layout(index, wanted, start, stop)
+                frames: list[Any] = [layout.frame]
+                break
             if local:
                 samples, nbytes = _local_layout(index, wanted, start, stop)
-                frames: list[Any] = []
+                frames = []
                 break
             listed: list[Any] = []
             picked: list[Member] = []
@@ -651,7 +660,11 @@ class Server:
                 if attempt == 2:
                     raise
                 # The hot tier dropped the rotten copy; _shard fetches a good one.
-        reply: Header = {"start": start, "next": stop, "end": stop == n, "samples": samples}
+        reply: Header = {"start": start, "next": stop, "end": stop == n}
+        if local and packed:
+            reply["packed"] = {"samples": stop - start, "exts": layout.exts}
+        else:
+            reply["samples"] = samples
         if local:
             # The reader holds the file open past this reply: its lease (the pin that keeps
             # the file from being unlinked under it) goes with its close, not here.
@@ -713,6 +726,58 @@ def _local_layout(
         return samples, nbytes
     kept = index.memo[("local", wanted)] = (_Encoded(encode_value(samples)), nbytes)
     return kept
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A local read's layout as one frame (docs/protocol.md, "Packed layouts"), and the
+    names of the extensions its members refer to by index."""
+
+    frame: bytes
+    exts: list[str]
+
+
+def _packed_layout(
+    index: ShardIndex, wanted: frozenset[str] | None, start: int, stop: int
+) -> tuple[_Packed, int]:
+    """The packed layout of samples ``start..stop`` (their members in ``wanted``) and
+    their payload bytes; a whole shard's is made once and kept with the index, as
+    :func:`_local_layout` keeps its JSON."""
+    whole = start == 0 and stop == len(index.samples)
+    kept: tuple[_Packed, int] | None = index.memo.get(("packed", wanted)) if whole else None
+    if kept is not None:
+        return kept
+    exts: dict[str, int] = {}
+    first, key_start = [0], [0]
+    records: list[bytes] = []
+    keys = bytearray()
+    nbytes = 0
+    for sample in index.samples[start:stop]:
+        members = _chosen(sample, wanted)
+        for m in members:
+            e = exts.setdefault(m.ext, len(exts))
+            has = m.checksum is not None
+            records.append(_PACKED_MEMBER.pack(e, int(has), m.size, m.offset, m.checksum or 0))
+            nbytes += m.size
+        first.append(first[-1] + len(members))
+        keys += sample.key.encode()
+        key_start.append(len(keys))
+    count = len(first) - 1
+    frame = b"".join(
+        (
+            struct.pack(f"<II{count + 1}I{count + 1}I", count, first[-1], *first, *key_start),
+            *records,
+            bytes(keys),
+        )
+    )
+    made = (_Packed(frame, list(exts)), nbytes)
+    if whole:
+        index.memo[("packed", wanted)] = made
+    return made
+
+
+# One member of a packed layout: ext index, flags (1: has a checksum), size, offset, checksum.
+_PACKED_MEMBER = struct.Struct("<IIQQQ")
 
 
 async def _answers(endpoint: str) -> bool:

@@ -22,6 +22,8 @@ from cached_client.fast import _Filling
 from cached_client.local import LocalFiles, LocalRead, LocalUnavailable
 
 from cached.local import make_tar
+from cached.server import _packed_layout
+from cached.tiers.index import Member, Sample, ShardIndex
 
 RUN_BYTES = 256 << 10  # _gather.c: a run ends once it holds this many bytes
 
@@ -209,3 +211,64 @@ def test_a_plan_that_does_not_fit_its_buffers_is_refused(tmp_path: Path) -> None
             local.GATHER.read(fd, plan, small, 1, len(plan) // local.GATHER.PLACE_SIZE)
     finally:
         os.close(fd)
+
+
+def _packed(reply: dict[str, Any]) -> tuple[Any, list[str]]:
+    """The daemon's packed layout (server.py ``_packed_layout``) of the reply's samples."""
+    index = ShardIndex(
+        tuple(
+            Sample(key, tuple(Member(m[0], m[2], m[1], m[3]) for m in members))
+            for key, members in reply["samples"]
+        ),
+        0,
+        "xxh3_64",
+    )
+    made, _ = _packed_layout(index, None, 0, len(index.samples))
+    return made.frame, made.exts
+
+
+@pytest.mark.parametrize("batch", [5, 64])
+def test_a_packed_layout_fills_the_same_batches_as_its_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int
+) -> None:
+    """D34: the daemon's packed layout, laid out by the compiled reader, gives exactly
+    the batches the JSON layout gives (members missing, empty, larger than a run)."""
+    path, _ = _shard(tmp_path, seed=11)
+    reply = _reply(path, {"a", "c", "skip"})
+    frame, exts = _packed(reply)
+    packed = {**reply, "packed": {"samples": len(reply["samples"]), "exts": exts}}
+    del packed["samples"]
+    files = LocalFiles()
+    read = LocalRead(files, packed, _no_socket, lambda exc: None, packed=frame)
+    assert read.rows is not None and len(read.rows) == len(reply["samples"])
+
+    class _Reply:
+        header = packed
+        local = read
+
+    out = []
+    done = 0
+    while done < len(read.rows):
+        filling = _Filling(Slot())
+        take = read.rows[done : done + batch]
+        half = len(take) // 2
+        filling.receive(take[:half], _Reply())  # type: ignore[arg-type]
+        filling.receive(take[half:], _Reply())  # type: ignore[arg-type]
+        got = filling.batch()
+        out.append((got.keys, got.offsets, {e: t.numpy().tobytes() for e, t in got.data.items()}))
+        done += len(take)
+    files.close()
+    assert out == _fill(reply, batch, True, monkeypatch)
+
+
+def test_a_packed_layout_that_does_not_hold_together_is_refused(tmp_path: Path) -> None:
+    assert local.GATHER is not None
+    path, _ = _shard(tmp_path, seed=13)
+    frame, exts = _packed(_reply(path, {"a", "c"}))
+    args = ({}, {}, [], [], True)
+    with pytest.raises(ValueError, match="does not hold together"):
+        local.GATHER.layout_packed(frame[:-2000], exts, 0, 3, *args)
+    with pytest.raises(IndexError, match="outside the packed layout"):
+        local.GATHER.layout_packed(frame, exts, 50, 11, *args)
+    with pytest.raises(ValueError, match="extension not named"):
+        local.GATHER.layout_packed(frame, exts[:1], 0, 60, *args)

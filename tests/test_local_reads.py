@@ -133,8 +133,15 @@ def test_fast_loader_reads_runs_of_members_in_one_call_and_skips_what_it_was_not
         calls.append(len(buffers))
         return real(fd, buffers, offset)
 
+    packed = []
+
     class Counted:  # the compiled reader, its calls counted
         layout = compiled.layout
+
+        @staticmethod
+        def layout_packed(*args: Any) -> Any:
+            packed.append(1)
+            return compiled.layout_packed(*args)
 
         @staticmethod
         def read(*args: Any) -> Any:
@@ -161,6 +168,8 @@ def test_fast_loader_reads_runs_of_members_in_one_call_and_skips_what_it_was_not
     assert 0 < len(calls) < 180 // 4
     # Each reader alone: the compiled one never calls os.preadv, the Python one does.
     assert set(calls) == {-1} if reader == "compiled" else -1 not in calls
+    # The compiled reader's layouts came packed (D34); the Python reader's as JSON.
+    assert bool(packed) == (reader == "compiled")
 
 
 def test_a_local_reader_gives_its_pins_back_with_its_next_request(

@@ -23,7 +23,7 @@ from . import jobs, partition, resume
 from .buffers import Batch, Ring, Slot, pinned_memory_available
 from .device import CopyStream, require_device, with_index
 from .errors import ProtocolError, UsageError, check_reply
-from .local import LocalRead, choose, laid_out, plan_places
+from .local import LocalRead, PackedRows, choose, laid_out, plan_places
 from .reader import announce, pipelined_reads, shard_lengths
 from .resume import Position, Ref
 from .transport import Connection, Reply, resolve_endpoint
@@ -131,6 +131,7 @@ class FastLoader:
                 self.endpoint,
                 connect_timeout_s=self.connect_timeout_s,
                 local_reads=self.local_reads,
+                packed=True,  # its compiled reader takes layouts as one frame (D34)
             )
         return self._conn
 
@@ -265,7 +266,8 @@ class FastLoader:
                 check_reply(reply.header)
                 part = owners[read.pos]
                 first = int(reply.header["start"]) - parts[part].start
-                samples = reply.header["samples"]
+                packed = reply.local.rows if reply.local is not None else None
+                samples = packed if packed is not None else reply.header["samples"]
                 done = 0
                 while done < len(samples):
                     # As many of the reply's samples as the batch has room for, at once.
@@ -304,7 +306,9 @@ class _Filling:
         # The batch's last sample, and whether it ended its part: the position after it.
         self.last: tuple[Ref, bool] = ((0, 0), False)
 
-    def receive(self, samples: Sequence[tuple[str, list[list[Any]]]], reply: Reply) -> None:
+    def receive(
+        self, samples: Sequence[tuple[str, list[list[Any]]]] | PackedRows, reply: Reply
+    ) -> None:
         """Receive ``samples`` (the reply's next ones, ``[key, members]``; each member
         ``[ext, size, ...]``, a local reply adds the offset and checksum) into the slot.
 
@@ -313,9 +317,11 @@ class _Filling:
         read per run of the file, not one per member)."""
         before = dict(self.used)  # the bytes of earlier replies, kept when a buffer grows
         local = reply.local
-        if local is not None and local.plannable():
+        if local is not None and (isinstance(samples, PackedRows) or local.plannable()):
             self._receive_planned(samples, local, before)
             return
+        if isinstance(samples, PackedRows):
+            raise ProtocolError("a packed layout in a reply that is not local")
         places: list[tuple[str, int]] = []  # (ext, at) of each member, in order
         sizes: list[int] = []
         used, offsets, keys = self.used, self.offsets, self.keys
@@ -357,7 +363,7 @@ class _Filling:
 
     def _receive_planned(
         self,
-        samples: Sequence[tuple[str, list[list[Any]]]],
+        samples: Sequence[tuple[str, list[list[Any]]]] | PackedRows,
         local: LocalRead,
         before: dict[str, int],
     ) -> None:
@@ -378,7 +384,8 @@ class _Filling:
                     if i < len(got)
                     else "the reply has fewer payload frames than it announced"
                 )
-                raise ProtocolError(f"{_owner(samples, i)}.{exts[e]}: {what}")
+                owner = samples.key_of(i) if isinstance(samples, PackedRows) else _owner(samples, i)
+                raise ProtocolError(f"{owner}.{exts[e]}: {what}")
 
     def batch(self) -> Batch:
         data = {ext: self.slot.buffers[ext][:n] for ext, n in self.used.items()}

@@ -284,8 +284,37 @@ class LocalPayload:
         return data
 
 
+class PackedRows:
+    """Samples ``first .. first + count`` of a packed layout (docs/protocol.md, "Packed
+    layouts"): what a packed local reply has for ``samples``; sliced as a list is."""
+
+    __slots__ = ("count", "exts", "first", "frame")
+
+    def __init__(self, frame: Any, exts: list[str], first: int, count: int) -> None:
+        self.frame, self.exts, self.first, self.count = frame, exts, first, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, part: slice) -> PackedRows:
+        start, stop, _ = part.indices(self.count)
+        return PackedRows(self.frame, self.exts, self.first + start, max(0, stop - start))
+
+    def key_of(self, member: int) -> str:
+        """The key of the sample whose member ``member`` (counted from this part's first
+        member) is; for an error's message."""
+        buf = memoryview(self.frame).cast("B")
+        samples, _ = struct.unpack_from("<II", buf)
+        first = struct.unpack_from(f"<{samples + 1}I", buf, 8)
+        starts = struct.unpack_from(f"<{samples + 1}I", buf, 8 + 4 * (samples + 1))
+        target = first[self.first] + member
+        s = next((s for s in range(self.first, samples) if first[s + 1] > target), samples - 1)
+        keys_at = 8 + 8 * (samples + 1) + 32 * first[samples]
+        return bytes(buf[keys_at + starts[s] : keys_at + starts[s + 1]]).decode()
+
+
 def laid_out(
-    samples: Sequence[tuple[str, list[list[Any]]]],
+    samples: Sequence[tuple[str, list[list[Any]]]] | PackedRows,
     used: dict[str, int],
     offsets: dict[str, list[int]],
     keys: list[str],
@@ -297,8 +326,15 @@ def laid_out(
     ``used``, ``offsets`` and ``keys`` extended as the Python loop would; ``exts`` gets
     the names of the plan's extension indices. Only where :data:`GATHER` is built."""
     assert GATHER is not None
+    plan: bytes
+    if isinstance(samples, PackedRows):
+        frame = samples.frame.buffer if hasattr(samples.frame, "buffer") else samples.frame
+        plan = GATHER.layout_packed(
+            frame, samples.exts, samples.first, samples.count, used, offsets, keys, exts, checked
+        )
+        return plan
     rows = samples if isinstance(samples, list) else list(samples)
-    plan: bytes = GATHER.layout(rows, used, offsets, keys, exts, checked)
+    plan = GATHER.layout(rows, used, offsets, keys, exts, checked)
     return plan
 
 
@@ -345,11 +381,20 @@ class LocalRead:
     ``lost(exc)`` is told of a failure that will last (see :class:`LocalUnavailable`);
     it may raise, to refuse the socket (local reads required)."""
 
-    def __init__(self, files: LocalFiles, header: Header, refetch: Any, lost: Any) -> None:
+    def __init__(
+        self, files: LocalFiles, header: Header, refetch: Any, lost: Any, *, packed: Any = None
+    ) -> None:
         self._files = files
         self._header = header
         self._refetch = refetch
         self._lost = lost
+        # The layout frame of a packed reply (D34): its samples are PackedRows, not JSON.
+        self.rows: PackedRows | None = None
+        if packed is not None:
+            where = header.get("packed")
+            if not isinstance(where, dict) or not isinstance(where.get("exts"), list):
+                raise ProtocolError("a packed reply without its extensions")
+            self.rows = PackedRows(packed, list(where["exts"]), 0, int(where["samples"]))
         self._payload: LocalPayload | None = None
         self._taken = 0  # members taken in order (read_into, frames)
         self._socket: list[Any] | None = None  # the reply's frames, once it fell back
@@ -377,9 +422,14 @@ class LocalRead:
         assert self._socket is not None
         return bytes(self._socket[i].bytes)
 
+    def _unpacked(self) -> None:
+        if self.rows is not None:
+            raise ProtocolError("a packed reply is read with read_planned (FastLoader)")
+
     def read_many(self, buffers: Sequence[Any]) -> list[int]:
         """The next members, one into each of ``buffers``; their sizes (see
         :meth:`LocalPayload.read_many`). From the socket's frames once it fell back."""
+        self._unpacked()
         first = self._taken
         self._taken += len(buffers)
         if self._socket is None:
@@ -423,6 +473,7 @@ class LocalRead:
 
     def frames(self) -> list[Any]:
         """Every member not yet taken, read when each is asked for its bytes."""
+        self._unpacked()
         if self._socket is not None:
             rest = self._socket[self._taken :]
             self._taken += len(rest)

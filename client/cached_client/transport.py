@@ -33,6 +33,7 @@ from typing import Any
 
 import zmq
 
+from . import local as local_module
 from . import protocol
 from .diagnose import explain_unreachable
 from .errors import (
@@ -164,10 +165,12 @@ class Connection:
         dead_after_s: float = 15.0,
         request_timeout_s: float = 900.0,
         local_reads: bool | None = None,
+        packed: bool = False,
     ) -> None:
         """``local_reads``: read sample bytes from the hot tier's files where this process
         can (None, "auto"), always (True: :class:`LocalReadsUnavailable` where it cannot),
-        or never (False)."""
+        or never (False). ``packed``: local replies carry their layout as one binary frame
+        where the daemon offers it and the compiled reader is built (FastLoader, D34)."""
         tune_malloc()  # before the ZeroMQ context starts its I/O thread
         self.endpoint = endpoint
         self.connect_timeout_s = connect_timeout_s
@@ -183,6 +186,7 @@ class Connection:
         self._standing: dict[str, Header] = {}
         self._messages = 0  # headers received: a Reply left on the socket is valid until the next
         self.local_reads = local_reads
+        self._packed = packed
         self._local_on = local_reads is not False  # reads still ask for local replies
         self._files = LocalFiles()
         self._local_sent: dict[int, Header] = {}  # local reads, until their reply is taken
@@ -261,6 +265,8 @@ class Connection:
         op = header.get("op")
         if local and self._local_on and op == Op.READ:
             header["local"] = True
+            if self._packed and "packed" in self._features and local_module.GATHER is not None:
+                header["packed"] = True
             self._local_sent[request_id] = header
         if self._releases and op in (Op.OPEN, Op.READ):
             released = self._releases.pop(str(header.get("stream")), None)
@@ -445,13 +451,15 @@ class Connection:
         self._local_answered = True
 
         def refetch() -> list[zmq.Frame]:
-            skip = ("id", "local", "if_resident")
+            skip = ("id", "local", "if_resident", "packed")
             request = {k: v for k, v in sent.items() if k not in skip}
             # Says that the local reply went unused, so the daemon counts its bytes once.
             request["refetch"] = True
             return self.wait(self.send(request, local=False))[1]
 
-        return Reply(header, [], local=LocalRead(self._files, header, refetch, self._lost))
+        layout = frames[0] if "packed" in header and frames else None
+        local = LocalRead(self._files, header, refetch, self._lost, packed=layout)
+        return Reply(header, [], local=local)
 
     def _lost(self, exc: LocalUnavailable) -> None:
         """Local reads will not work from this process: stop asking for them, or, where

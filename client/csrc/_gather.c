@@ -96,7 +96,106 @@ static int member_u64(PyObject *member, Py_ssize_t i, uint64_t *out) {
     return 0;
 }
 
-/* layout(samples, used, offsets, keys, exts) -> plan
+/* What one layout call keeps of each extension it meets: the bytes used in its buffer
+ * (written back to `used` at the end), its offsets list, its index in `exts`. */
+#define MAX_EXTS 64
+struct ext_state {
+    PyObject *name; /* borrowed */
+    unsigned long long at;
+    PyObject *offs; /* borrowed from `offsets` */
+    uint32_t index;
+};
+
+struct layout_state {
+    PyObject *used, *offsets, *keys, *exts;
+    struct ext_state ext[MAX_EXTS];
+    int n_ext;
+};
+
+static struct ext_state *ext_of(struct layout_state *st, PyObject *name, Py_ssize_t n) {
+    for (int i = 0; i < st->n_ext; i++)
+        if (st->ext[i].name == name)
+            return &st->ext[i];
+    for (int i = 0; i < st->n_ext; i++) {
+        int same = PyUnicode_Compare(st->ext[i].name, name);
+        if (same == -1 && PyErr_Occurred())
+            return NULL;
+        if (same == 0)
+            return &st->ext[i];
+    }
+    if (st->n_ext == MAX_EXTS) {
+        PyErr_SetString(PyExc_ValueError, "more extensions in one reply than the layout takes");
+        return NULL;
+    }
+    struct ext_state *e = &st->ext[st->n_ext];
+    PyObject *was = PyDict_GetItemWithError(st->used, name);
+    if (was == NULL && PyErr_Occurred())
+        return NULL;
+    e->at = was == NULL ? 0 : PyLong_AsUnsignedLongLong(was);
+    if (e->at == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    e->offs = offsets_of(st->offsets, name, n);
+    if (e->offs == NULL)
+        return NULL;
+    Py_ssize_t i = 0, ne = PyList_GET_SIZE(st->exts);
+    for (; i < ne; i++) {
+        int same = PyUnicode_Compare(PyList_GET_ITEM(st->exts, i), name);
+        if (same == -1 && PyErr_Occurred())
+            return NULL;
+        if (same == 0)
+            break;
+    }
+    if (i == ne && PyList_Append(st->exts, name) < 0)
+        return NULL;
+    e->name = name;
+    e->index = (uint32_t)i;
+    st->n_ext++;
+    return e;
+}
+
+/* Member `p` (its size, offset, checksum set) of extension `name`, in sample `n` of the
+ * batch: placed after the bytes of its extension's buffer already used. */
+static int place(struct layout_state *st, struct place *p, PyObject *name, Py_ssize_t n) {
+    struct ext_state *e = ext_of(st, name, n);
+    if (e == NULL)
+        return -1;
+    p->ext = e->index;
+    p->at = e->at;
+    e->at += p->size;
+    return append_long(e->offs, e->at);
+}
+
+/* The sample's key joins the batch; an extension it lacks gets an empty member. */
+static int end_sample(struct layout_state *st, PyObject *key, Py_ssize_t n, Py_ssize_t nm) {
+    if (PyList_Append(st->keys, key) < 0)
+        return -1;
+    if (nm < PyDict_GET_SIZE(st->offsets)) {
+        PyObject *name, *offs;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(st->offsets, &pos, &name, &offs)) {
+            Py_ssize_t len = PyList_GET_SIZE(offs);
+            if (len < n + 2 && PyList_Append(offs, PyList_GET_ITEM(offs, len - 1)) < 0)
+                return -1;
+        }
+    }
+    return 0;
+}
+
+/* `used` learns where each extension's bytes now end. */
+static int write_back(struct layout_state *st) {
+    for (int i = 0; i < st->n_ext; i++) {
+        PyObject *end = PyLong_FromUnsignedLongLong(st->ext[i].at);
+        if (end == NULL)
+            return -1;
+        int failed = PyDict_SetItem(st->used, st->ext[i].name, end);
+        Py_DECREF(end);
+        if (failed)
+            return -1;
+    }
+    return 0;
+}
+
+/* layout(samples, used, offsets, keys, exts, checked) -> plan
  *
  * What _Filling.receive's loop does, for `samples` ([key, members], each member
  * [ext, size] or [ext, size, offset, checksum]): each member placed after the bytes
@@ -104,11 +203,12 @@ static int member_u64(PyObject *member, Py_ssize_t i, uint64_t *out) {
  * them. `exts` (a list) maps the plan's extension indices to names; new ones are
  * appended. `checked`: take the fourth field as a checksum. */
 static PyObject *layout(PyObject *self, PyObject *args) {
-    PyObject *samples, *used, *offsets, *keys, *exts;
+    struct layout_state st = {0};
+    PyObject *samples;
     int checked;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!p", &PyList_Type, &samples, &PyDict_Type, &used,
-                          &PyDict_Type, &offsets, &PyList_Type, &keys, &PyList_Type, &exts,
-                          &checked))
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!p", &PyList_Type, &samples, &PyDict_Type, &st.used,
+                          &PyDict_Type, &st.offsets, &PyList_Type, &st.keys, &PyList_Type,
+                          &st.exts, &checked))
         return NULL;
     Py_ssize_t count = 0, ns = PyList_GET_SIZE(samples);
     for (Py_ssize_t s = 0; s < ns; s++) {
@@ -127,7 +227,7 @@ static PyObject *layout(PyObject *self, PyObject *args) {
     for (Py_ssize_t s = 0; s < ns; s++) {
         PyObject *sample = PyList_GET_ITEM(samples, s);
         PyObject *members = PyList_GET_ITEM(sample, 1);
-        Py_ssize_t n = PyList_GET_SIZE(keys), nm = PyList_GET_SIZE(members);
+        Py_ssize_t n = PyList_GET_SIZE(st.keys), nm = PyList_GET_SIZE(members);
         for (Py_ssize_t m = 0; m < nm; m++, p++) {
             PyObject *member = PyList_GET_ITEM(members, m);
             Py_ssize_t fields = PyList_Check(member) ? PyList_GET_SIZE(member) : 0;
@@ -135,7 +235,6 @@ static PyObject *layout(PyObject *self, PyObject *args) {
                 PyErr_SetString(PyExc_TypeError, "a member is not [ext, size, ...]");
                 goto fail;
             }
-            PyObject *ext = PyList_GET_ITEM(member, 0);
             memset(p, 0, sizeof *p);
             if (member_u64(member, 1, &p->size) < 0)
                 goto fail;
@@ -149,54 +248,126 @@ static PyObject *layout(PyObject *self, PyObject *args) {
                     goto fail;
                 p->flags |= HAS_CHECKSUM;
             }
-            PyObject *was = PyDict_GetItemWithError(used, ext);
-            if (was == NULL && PyErr_Occurred())
+            if (place(&st, p, PyList_GET_ITEM(member, 0), n) < 0)
                 goto fail;
-            unsigned long long at = was == NULL ? 0 : PyLong_AsUnsignedLongLong(was);
-            if (at == (unsigned long long)-1 && PyErr_Occurred())
-                goto fail;
-            p->at = at;
-            PyObject *end = PyLong_FromUnsignedLongLong(at + p->size);
-            if (end == NULL)
-                goto fail;
-            int failed = PyDict_SetItem(used, ext, end);
-            Py_DECREF(end);
-            if (failed)
-                goto fail;
-            PyObject *offs = offsets_of(offsets, ext, n);
-            if (offs == NULL || append_long(offs, at + p->size) < 0)
-                goto fail;
-            Py_ssize_t e = 0, ne = PyList_GET_SIZE(exts);
-            for (; e < ne; e++) { /* a few extensions: a scan beats a dict */
-                PyObject *known = PyList_GET_ITEM(exts, e);
-                if (known == ext)
-                    break;
-                int same = PyUnicode_Compare(known, ext);
-                if (same == -1 && PyErr_Occurred())
-                    goto fail;
-                if (same == 0)
-                    break;
-            }
-            if (e == ne && PyList_Append(exts, ext) < 0)
-                goto fail;
-            p->ext = (uint32_t)e;
         }
-        if (PyList_Append(keys, PyList_GET_ITEM(sample, 0)) < 0)
+        if (end_sample(&st, PyList_GET_ITEM(sample, 0), n, nm) < 0)
             goto fail;
-        if (nm < PyDict_GET_SIZE(offsets)) { /* this sample lacks an extension */
-            PyObject *name, *offs;
-            Py_ssize_t pos = 0;
-            while (PyDict_Next(offsets, &pos, &name, &offs)) {
-                Py_ssize_t len = PyList_GET_SIZE(offs);
-                if (len < n + 2 && PyList_Append(offs, PyList_GET_ITEM(offs, len - 1)) < 0)
-                    goto fail;
-            }
-        }
     }
+    if (write_back(&st) < 0)
+        goto fail;
     return plan;
 fail:
     Py_DECREF(plan);
     return NULL;
+}
+
+/* The packed layout of a local reply (docs/protocol.md, "Packed layouts"; made by the
+ * daemon's cached/packed.py): little-endian
+ *   u32 samples, u32 members,
+ *   u32 first_member[samples + 1], u32 key_start[samples + 1],
+ *   members x {u32 ext, u32 flags (1: has a checksum), u64 size, u64 offset, u64 checksum},
+ *   the keys' UTF-8 bytes, end to end. */
+struct packed_member {
+    uint32_t ext, flags;
+    uint64_t size, offset, checksum;
+};
+
+struct packed {
+    uint32_t samples, members;
+    const uint32_t *first_member, *key_start;
+    const struct packed_member *member;
+    const char *keys;
+    Py_ssize_t keys_len;
+};
+
+static int parse_packed(const char *buf, Py_ssize_t len, struct packed *out) {
+    if (len < 8)
+        goto bad;
+    memcpy(&out->samples, buf, 4);
+    memcpy(&out->members, buf + 4, 4);
+    Py_ssize_t tables = 8 + 8 * ((Py_ssize_t)out->samples + 1);
+    Py_ssize_t records = (Py_ssize_t)out->members * (Py_ssize_t)sizeof(struct packed_member);
+    if (len < tables + records)
+        goto bad;
+    out->first_member = (const uint32_t *)(buf + 8);
+    out->key_start = out->first_member + out->samples + 1;
+    out->member = (const struct packed_member *)(buf + tables);
+    out->keys = buf + tables + records;
+    out->keys_len = len - tables - records;
+    if (out->first_member[out->samples] != out->members ||
+        out->key_start[out->samples] > (uint64_t)out->keys_len)
+        goto bad;
+    for (uint32_t s = 0; s < out->samples; s++)
+        if (out->first_member[s] > out->first_member[s + 1] ||
+            out->key_start[s] > out->key_start[s + 1])
+            goto bad;
+    return 0;
+bad:
+    PyErr_SetString(PyExc_ValueError, "a packed layout that does not hold together");
+    return -1;
+}
+
+/* layout_packed(frame, names, first, count, used, offsets, keys, exts, checked) -> plan
+ *
+ * layout() for samples first..first+count of a packed layout (`names`: its extension
+ * names, by index), without a Python object per member. */
+static PyObject *layout_packed(PyObject *self, PyObject *args) {
+    struct layout_state st = {0};
+    Py_buffer frame;
+    PyObject *names, *plan = NULL;
+    Py_ssize_t first, count;
+    int checked;
+    if (!PyArg_ParseTuple(args, "y*O!nnO!O!O!O!p", &frame, &PyList_Type, &names, &first, &count,
+                          &PyDict_Type, &st.used, &PyDict_Type, &st.offsets, &PyList_Type,
+                          &st.keys, &PyList_Type, &st.exts, &checked))
+        return NULL;
+    struct packed pk;
+    if (parse_packed(frame.buf, frame.len, &pk) < 0)
+        goto done;
+    if (first < 0 || count < 0 || first + count > (Py_ssize_t)pk.samples) {
+        PyErr_SetString(PyExc_IndexError, "samples outside the packed layout");
+        goto done;
+    }
+    Py_ssize_t m0 = pk.first_member[first], m1 = pk.first_member[first + count];
+    plan = PyBytes_FromStringAndSize(NULL, (m1 - m0) * (Py_ssize_t)sizeof(struct place));
+    if (plan == NULL)
+        goto done;
+    struct place *p = (struct place *)PyBytes_AS_STRING(plan);
+    for (Py_ssize_t s = first; s < first + count; s++) {
+        Py_ssize_t n = PyList_GET_SIZE(st.keys);
+        Py_ssize_t a = pk.first_member[s], b = pk.first_member[s + 1];
+        for (Py_ssize_t m = a; m < b; m++, p++) {
+            const struct packed_member *pm = &pk.member[m];
+            if (pm->ext >= (uint64_t)PyList_GET_SIZE(names)) {
+                PyErr_SetString(PyExc_ValueError, "a packed member of an extension not named");
+                goto fail;
+            }
+            *p = (struct place){0, HAS_OFFSET, 0, pm->size, pm->offset, 0};
+            if (checked && (pm->flags & 1)) {
+                p->checksum = pm->checksum;
+                p->flags |= HAS_CHECKSUM;
+            }
+            if (place(&st, p, PyList_GET_ITEM(names, pm->ext), n) < 0)
+                goto fail;
+        }
+        PyObject *key = PyUnicode_DecodeUTF8(pk.keys + pk.key_start[s],
+                                             pk.key_start[s + 1] - pk.key_start[s], "strict");
+        if (key == NULL)
+            goto fail;
+        int failed = end_sample(&st, key, n, b - a);
+        Py_DECREF(key);
+        if (failed)
+            goto fail;
+    }
+    if (write_back(&st) < 0)
+        goto fail;
+    goto done;
+fail:
+    Py_CLEAR(plan);
+done:
+    PyBuffer_Release(&frame);
+    return plan;
 }
 
 static int run_read(int fd, struct iovec *iov, int niov, uint64_t start, uint64_t end,
@@ -320,6 +491,7 @@ static PyObject *checksum(PyObject *self, PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"layout", layout, METH_VARARGS, "Lay a reply's samples out in a batch's buffers."},
+    {"layout_packed", layout_packed, METH_VARARGS, "layout() from a packed layout."},
     {"read", read_plan, METH_VARARGS, "Read laid-out members from a shard file."},
     {"checksum", checksum, METH_O, "XXH3-64 of a buffer."},
     {NULL, NULL, 0, NULL},
