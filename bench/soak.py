@@ -33,7 +33,8 @@ It fails (exit 1) on:
   comparing the medians of the 1 s samples in a window around each (10 s; 5 s when short);
 - descriptor growth: at the end, the median count of descriptors other than the hot
   tier's shard maps (those follow the resident shards) above its highest at the
-  reference; and after the load, every descriptor but the shard maps must return to the
+  reference, while their fitted trend from the reference on gains one or more (either
+  alone is the downloads in flight); and after the load, every descriptor but the shard maps must return to the
   idle set of before it (client connections closed, downloads done), with no descriptor
   on an evicted shard and no more shard maps than resident shards;
 - any exception in any stream, a warning from a client, an ERROR or a traceback in the
@@ -1432,6 +1433,7 @@ def evaluate(
         "shard_maps_end": maps_end,
         # Least-squares trends from the reference to the end, per minute.
         "fds_per_min": 60 * slope(loaded_samples, lambda s: s.fds),
+        "other_fds_per_min": 60 * slope(loaded_samples, lambda s: s.other_fds),
         "rss_bytes_per_min": 60 * slope(loaded_samples, lambda s: s.rss),
         "rss_anon_bytes_per_min": 60 * slope(loaded_samples, lambda s: s.rss_anon),
         "threads_ref": thr_ref,
@@ -1460,6 +1462,7 @@ def evaluate(
         "daemon": counter_deltas(served, args.duration),
     }
     expected_streams = args.loaders * args.workers + args.fast_procs * args.fast_streams
+    gained_fds = figures["other_fds_per_min"] * (args.duration - args.ref_at) / 60
     starved = [u.name for u in units if u.samples == 0]
     checks: dict[str, tuple[bool, str]] = {
         f"rss growth <= {args.max_rss_growth:.0%}": (
@@ -1469,13 +1472,16 @@ def evaluate(
         ),
         # Shard maps move with evictions and publishes (bounded by the resident shards,
         # checked exactly after the load); the rest moves by the downloads in flight. A
-        # leak lifts the typical count at the end above the reference's highest.
+        # leak lifts the typical count at the end above the reference's highest, and
+        # keeps lifting it: the fitted trend from the reference on gains a descriptor or
+        # more. Either alone is noise (a 5 s reference window can catch a narrow range of
+        # downloads in flight: 60-62 then a median of 63, a trend of +0.1 over the run).
         "fds: no growth": (
-            other_end["n"] > 0 and other_end["median"] <= other_ref["max"],
+            other_end["n"] > 0 and (other_end["median"] <= other_ref["max"] or gained_fds < 1),
             f"{fds_ref['min']:.0f}-{fds_ref['max']:.0f} at {args.ref_at:.0f}s, "
             f"{fds_end['min']:.0f}-{fds_end['max']:.0f} at the end; other than shard maps: "
             f"{other_ref['min']:.0f}-{other_ref['max']:.0f}, then median "
-            f"{other_end['median']:.0f}",
+            f"{other_end['median']:.0f}; trend {gained_fds:+.1f} over the run",
         ),
         "no stream errors": (errors == 0, f"{errors}"),
         "no client warnings": (clients.warnings == 0, f"{clients.warnings}"),
