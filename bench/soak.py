@@ -34,9 +34,10 @@ It fails (exit 1) on:
 - descriptor growth: at the end, the median count of descriptors other than the hot
   tier's shard maps (those follow the resident shards) above its highest at the
   reference, while their fitted trend from the reference on gains one or more (either
-  alone is the downloads in flight); and after the load, every descriptor but the shard maps must return to the
-  idle set of before it (client connections closed, downloads done), with no descriptor
-  on an evicted shard and no more shard maps than resident shards;
+  alone is the downloads in flight); and after the load, every descriptor but the shard
+  maps must return to the idle set of before it (client connections closed, downloads
+  done), with no descriptor on an evicted shard and no more shard maps than resident
+  shards;
 - any exception in any stream, a warning from a client, an ERROR or a traceback in the
   daemon's log;
 - any duplicate, missing, foreign or corrupt sample, or a stream that delivered nothing;
