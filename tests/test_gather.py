@@ -7,6 +7,7 @@ slots, each member checked against XXH3 as the daemon computes it.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import tarfile
@@ -272,3 +273,27 @@ def test_a_packed_layout_that_does_not_hold_together_is_refused(tmp_path: Path) 
         local.GATHER.layout_packed(frame, exts, 50, 11, *args)
     with pytest.raises(ValueError, match="extension not named"):
         local.GATHER.layout_packed(frame, exts[:1], 0, 60, *args)
+
+
+def test_a_fast_loader_says_once_that_it_reads_in_python(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the compiled reader is not built, FastLoader says so (once per process) and
+    nothing else does: `cached status`, which imports the client, prints JSON alone (its
+    output is parsed: deploy/check/systemd.sh found the line in it)."""
+    from cached_client import fast
+
+    def missing(name: str) -> Any:
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(local, "GATHER", None)
+    fast._say_if_not_compiled.cache_clear()
+    with caplog.at_level(logging.INFO):
+        with monkeypatch.context() as m:  # what importing the client does without it
+            m.setattr(local.importlib, "import_module", missing)
+            assert local._compiled() is None
+        fast.FastLoader(["s3://b/x.tar"], batch_size=4)
+        fast.FastLoader(["s3://b/y.tar"], batch_size=4)
+    said = [r for r in caplog.records if "compiled local reader is not installed" in r.getMessage()]
+    assert len(said) == 1 and said[0].name == "cached_client.fast"
+    fast._say_if_not_compiled.cache_clear()

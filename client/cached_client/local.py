@@ -46,7 +46,9 @@ def _compiled() -> ModuleType | None:
     try:
         return importlib.import_module(f"{__package__}._gather")
     except ImportError as exc:
-        log.info("the compiled local reader is not installed (%s); reading in Python", exc)
+        # DEBUG here: every importer of the client (the daemon's CLI too) would hear it.
+        # FastLoader, which it is about, says it at INFO (fast.py).
+        log.debug("the compiled local reader is not installed: %s", exc)
         return None
 
 
