@@ -21,11 +21,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import zmq
 import zmq.asyncio
 from cached_client.protocol import (
+    PACKED_MEMBER,
     PROTOCOL_VERSION,
     ErrorCode,
     Header,
@@ -67,10 +68,10 @@ COPY_THRESHOLD_BYTES = 1 << 20
 MAX_REQUEST_DEPTH = 8
 # An open's flags -> how the fetcher treats a miss.
 _PRIORITY = {"demand": DEMAND, "prefetch": PREFETCH, "ahead": AHEAD}
+T = TypeVar("T")
 # What this daemon understands beyond protocol v1's first form, told in the hello reply:
 # "release": an open or read may carry the URLs whose pins the stream gives back, which
-# saves a local reader one ``close`` request per shard.
-# "release": pins given back with the next open or read (D26). "whole": a read of all of a
+# saves a local reader one ``close`` request per shard (D26). "whole": a read of all of a
 # shard's samples, which may ask to be answered only if the shard is resident (D33).
 # "packed": a local read's layout as one binary frame (D34).
 FEATURES = ("release", "whole", "packed")
@@ -712,20 +713,32 @@ def _local_layout(
     members in ``wanted``) and their payload bytes. A whole shard's is encoded once and
     kept with the index: a local reader asks for whole shards, every epoch, and listing
     and encoding each member was most of what the daemon still spent on serving it."""
+
+    def make(whole: bool) -> tuple[Any, int]:
+        samples: list[Any] = []
+        nbytes = 0
+        for sample in index.samples[start:stop]:
+            members = _chosen(sample, wanted)
+            samples.append([sample.key, [[m.ext, m.size, m.offset, m.checksum] for m in members]])
+            nbytes += sum(m.size for m in members)
+        return (_Encoded(encode_value(samples)) if whole else samples), nbytes
+
+    return _kept_if_whole(index, ("local", wanted), start, stop, make)
+
+
+def _kept_if_whole(
+    index: ShardIndex, key: Any, start: int, stop: int, make: Callable[[bool], T]
+) -> T:
+    """``make(whole)``, the layout of samples ``start..stop``; a whole shard's is made once
+    and kept with the index under ``key`` (``ShardIndex.memo``)."""
     whole = start == 0 and stop == len(index.samples)
-    kept: tuple[_Encoded, int] | None = index.memo.get(("local", wanted)) if whole else None
-    if kept is not None:
+    if whole and key in index.memo:
+        kept: T = index.memo[key]
         return kept
-    samples: list[Any] = []
-    nbytes = 0
-    for sample in index.samples[start:stop]:
-        members = _chosen(sample, wanted)
-        samples.append([sample.key, [[m.ext, m.size, m.offset, m.checksum] for m in members]])
-        nbytes += sum(m.size for m in members)
-    if not whole:
-        return samples, nbytes
-    kept = index.memo[("local", wanted)] = (_Encoded(encode_value(samples)), nbytes)
-    return kept
+    made = make(whole)
+    if whole:
+        index.memo[key] = made
+    return made
 
 
 @dataclass(frozen=True)
@@ -743,41 +756,28 @@ def _packed_layout(
     """The packed layout of samples ``start..stop`` (their members in ``wanted``) and
     their payload bytes; a whole shard's is made once and kept with the index, as
     :func:`_local_layout` keeps its JSON."""
-    whole = start == 0 and stop == len(index.samples)
-    kept: tuple[_Packed, int] | None = index.memo.get(("packed", wanted)) if whole else None
-    if kept is not None:
-        return kept
-    exts: dict[str, int] = {}
-    first, key_start = [0], [0]
-    records: list[bytes] = []
-    keys = bytearray()
-    nbytes = 0
-    for sample in index.samples[start:stop]:
-        members = _chosen(sample, wanted)
-        for m in members:
-            e = exts.setdefault(m.ext, len(exts))
-            has = m.checksum is not None
-            records.append(_PACKED_MEMBER.pack(e, int(has), m.size, m.offset, m.checksum or 0))
-            nbytes += m.size
-        first.append(first[-1] + len(members))
-        keys += sample.key.encode()
-        key_start.append(len(keys))
-    count = len(first) - 1
-    frame = b"".join(
-        (
-            struct.pack(f"<II{count + 1}I{count + 1}I", count, first[-1], *first, *key_start),
-            *records,
-            bytes(keys),
-        )
-    )
-    made = (_Packed(frame, list(exts)), nbytes)
-    if whole:
-        index.memo[("packed", wanted)] = made
-    return made
 
+    def make(_whole: bool) -> tuple[_Packed, int]:
+        exts: dict[str, int] = {}
+        first, key_start = [0], [0]
+        records: list[bytes] = []
+        keys = bytearray()
+        nbytes = 0
+        for sample in index.samples[start:stop]:
+            members = _chosen(sample, wanted)
+            for m in members:
+                e = exts.setdefault(m.ext, len(exts))
+                has = m.checksum is not None
+                records.append(PACKED_MEMBER.pack(e, int(has), m.size, m.offset, m.checksum or 0))
+                nbytes += m.size
+            first.append(first[-1] + len(members))
+            keys += sample.key.encode()
+            key_start.append(len(keys))
+        count = len(first) - 1
+        tables = struct.pack(f"<II{count + 1}I{count + 1}I", count, first[-1], *first, *key_start)
+        return _Packed(b"".join((tables, *records, bytes(keys))), list(exts)), nbytes
 
-# One member of a packed layout: ext index, flags (1: has a checksum), size, offset, checksum.
-_PACKED_MEMBER = struct.Struct("<IIQQQ")
+    return _kept_if_whole(index, ("packed", wanted), start, stop, make)
 
 
 async def _answers(endpoint: str) -> bool:

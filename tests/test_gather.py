@@ -163,34 +163,33 @@ def test_a_rotten_member_and_a_short_file_are_said_with_their_offset(
     victim[3] ^= 1
     monkeypatch.setattr(local, "GATHER", local.GATHER if compiled else None)
     files = LocalFiles()
-    payload = files.payload(reply)
     slot = Slot()
     sizes = [m[1] for _k, ms in reply["samples"] for m in ms]
     view = slot.region("all", 0, sum(sizes))
-    with pytest.raises(
-        LocalUnavailable, match=f"member at byte {victim[2]} fails its checksum"
-    ) as e:
+    at = np.cumsum([0, *sizes])
+
+    def read_all() -> None:
+        """Every member of the reply, by the reader under test."""
+        payload = files.payload(reply)
         if compiled:
             used: dict[str, int] = {}
             exts: list[str] = []
             plan = local.laid_out(reply["samples"], used, {}, [], exts, checked=True)
             payload.read_planned(plan, [slot.region(x, 0, used[x]) for x in exts])
         else:
-            at = np.cumsum([0, *sizes])
             payload.read_many(0, [view[at[i] : at[i + 1]] for i in range(len(sizes))])
+
+    with pytest.raises(
+        LocalUnavailable, match=f"member at byte {victim[2]} fails its checksum"
+    ) as e:
+        read_all()
     assert not e.value.lasting
     victim[3] ^= 1
     # The file is shorter than the reply says (the member's bytes are not all there).
     last = reply["samples"][-1][1][0]
     last[2] = path.stat().st_size - last[1] // 2
-    payload = files.payload(reply)
     with pytest.raises(LocalUnavailable, match="short read at") as e:
-        if compiled:
-            used, exts = {}, []
-            plan = local.laid_out(reply["samples"], used, {}, [], exts, checked=True)
-            payload.read_planned(plan, [slot.region(x, 0, used[x]) for x in exts])
-        else:
-            payload.read_many(0, [view[at[i] : at[i + 1]] for i in range(len(sizes))])
+        read_all()
     assert not e.value.lasting
     files.close()
 

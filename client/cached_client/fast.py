@@ -361,14 +361,9 @@ class _Filling:
         whole = self.slot.views
         views = [whole[ext][at : at + size] for (ext, at), size in zip(places, sizes, strict=True)]
         got = reply.read_many(views)
-        if got != sizes:
-            pairs = enumerate(zip(got, sizes, strict=False))
-            i = next((i for i, (n, size) in pairs if n != size), len(got))
-            what = (
-                f"a frame of {got[i]} bytes, announced {sizes[i]}"
-                if i < len(got)
-                else "the reply has fewer payload frames than it announced"
-            )
+        wrong = _mismatch(got, sizes)
+        if wrong is not None:
+            i, what = wrong
             raise ProtocolError(f"{_owner(samples, i)}.{places[i][0]}: {what}")
 
     def _grow(self, before: dict[str, int]) -> None:
@@ -395,24 +390,33 @@ class _Filling:
         if got is None:
             return
         places = plan_places(plan)  # fell back to the socket: its frames' sizes, checked
-        for i, (e, _at, size) in enumerate(places):
-            if i >= len(got) or got[i] != size:
-                what = (
-                    f"a frame of {got[i]} bytes, announced {size}"
-                    if i < len(got)
-                    else "the reply has fewer payload frames than it announced"
-                )
-                owner = samples.key_of(i) if isinstance(samples, PackedRows) else _owner(samples, i)
-                raise ProtocolError(f"{owner}.{exts[e]}: {what}")
+        wrong = _mismatch(got, [size for _e, _at, size in places])
+        if wrong is not None:
+            i, what = wrong
+            raise ProtocolError(f"{_owner(samples, i)}.{exts[places[i][0]]}: {what}")
 
     def batch(self) -> Batch:
         data = {ext: self.slot.buffers[ext][:n] for ext, n in self.used.items()}
         return Batch(self.keys, data, self.offsets, self.slot)
 
 
-def _owner(samples: Sequence[tuple[str, list[list[Any]]]], member: int) -> str:
+def _mismatch(got: Sequence[int], sizes: Sequence[int]) -> tuple[int, str] | None:
+    """The first member whose frame is not the size its layout announced, and what is
+    wrong with it; None when every one is."""
+    if list(got) == list(sizes):
+        return None
+    pairs = enumerate(zip(got, sizes, strict=False))
+    i = next((i for i, (n, size) in pairs if n != size), len(got))
+    if i < len(got):
+        return i, f"a frame of {got[i]} bytes, announced {sizes[i]}"
+    return i, "the reply has fewer payload frames than it announced"
+
+
+def _owner(samples: Sequence[tuple[str, list[list[Any]]]] | PackedRows, member: int) -> str:
     """The key of the sample that member ``member`` of ``samples`` (counted across them)
     belongs to; for an error's message, so that nothing is kept per member to say it."""
+    if isinstance(samples, PackedRows):
+        return samples.key_of(member)
     for key, members in samples:
         if member < len(members):
             return key

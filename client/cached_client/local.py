@@ -31,7 +31,7 @@ from typing import Any
 import xxhash
 
 from .errors import ProtocolError, UsageError
-from .protocol import Header
+from .protocol import PACKED_MEMBER, Header
 
 # The daemon's member checksums (cached/tiers/verify.py), by the name its replies give;
 # a reply naming another is read unchecked.
@@ -311,7 +311,7 @@ class PackedRows:
         starts = struct.unpack_from(f"<{samples + 1}I", buf, 8 + 4 * (samples + 1))
         target = first[self.first] + member
         s = next((s for s in range(self.first, samples) if first[s + 1] > target), samples - 1)
-        keys_at = 8 + 8 * (samples + 1) + 32 * first[samples]
+        keys_at = 8 + 8 * (samples + 1) + PACKED_MEMBER.size * first[samples]
         return bytes(buf[keys_at + starts[s] : keys_at + starts[s + 1]]).decode()
 
 
@@ -330,9 +330,16 @@ def laid_out(
     assert GATHER is not None
     plan: bytes
     if isinstance(samples, PackedRows):
-        frame = samples.frame.buffer if hasattr(samples.frame, "buffer") else samples.frame
         plan = GATHER.layout_packed(
-            frame, samples.exts, samples.first, samples.count, used, offsets, keys, exts, checked
+            samples.frame,
+            samples.exts,
+            samples.first,
+            samples.count,
+            used,
+            offsets,
+            keys,
+            exts,
+            checked,
         )
         return plan
     rows = samples if isinstance(samples, list) else list(samples)
@@ -396,7 +403,8 @@ class LocalRead:
             where = header.get("packed")
             if not isinstance(where, dict) or not isinstance(where.get("exts"), list):
                 raise ProtocolError("a packed reply without its extensions")
-            self.rows = PackedRows(packed, list(where["exts"]), 0, int(where["samples"]))
+            frame = getattr(packed, "buffer", packed)  # a zmq.Frame's bytes, not a copy
+            self.rows = PackedRows(frame, list(where["exts"]), 0, int(where["samples"]))
         self._payload: LocalPayload | None = None
         self._taken = 0  # members taken in order (read_into, frames)
         self._socket: list[Any] | None = None  # the reply's frames, once it fell back

@@ -32,6 +32,7 @@ Errors: ``{"id", "ok": false, "code", "message"}`` with ``code`` from :class:`Er
 from __future__ import annotations
 
 import json
+import struct
 from enum import StrEnum
 from typing import Any
 
@@ -72,6 +73,12 @@ class ErrorCode(StrEnum):
     # request and sends it again to the daemon's successor.
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
+
+
+# One member of a packed layout (docs/protocol.md, "Packed layouts"; D34): extension
+# index, flags (1: the checksum is known), size, offset, checksum. The daemon packs it
+# (cached/server.py), the client's compiled reader reads it (client/csrc/_gather.c).
+PACKED_MEMBER = struct.Struct("<IIQQQ")
 
 
 class ProtocolError(Exception):
