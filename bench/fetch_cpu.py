@@ -113,7 +113,7 @@ async def fetch_all(endpoint: str, variant: str, args: argparse.Namespace) -> tu
     prefix = variant.replace(" ", "-")
     async with S3Source(cfg.s3) as src:
 
-        async def sink(_data: bytes) -> None:
+        async def sink(_run: Sequence[bytes]) -> None:
             return None
 
         # One object first: connections and botocore's lazy setup are not the fetch path.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -73,6 +74,17 @@ class ThreadDaemon:
             return m.served_bytes._value.get(), local
 
         return self.call(get)
+
+    def leases_left(self, settle_s: float = 5.0) -> int:
+        """The leases (pins) still held once a reader that just finished has had
+        ``settle_s`` for its last releases to arrive: a reader sends ``close`` without
+        waiting for the answer, so the daemon may see it after the reader's last batch."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            held: int = self.call(lambda: len(self.daemon.server.leases._held))
+            if held == 0 or time.monotonic() > deadline:
+                return held
+            time.sleep(0.01)
 
 
 @contextmanager

@@ -209,7 +209,7 @@ async def test_a_read_never_returns_rotten_bytes_and_pins_carry_over(
     body = make_tar([("a", {"bin": b"x" * 100}), ("b", {"bin": b"y" * 100})])
     info = ObjectInfo("s3://b/k.tar", "e", len(body), "v1")
     writer = await hot.reserve("sid", info)
-    await writer.write(body)
+    await writer.write((body,))
     shard = await writer.publish()
     assert shard.index is not None
     members = [m for s in shard.index.samples for m in s.members]
@@ -222,7 +222,7 @@ async def test_a_read_never_returns_rotten_bytes_and_pins_carry_over(
     assert found == ["read"] and hot.get("sid") is None and not hot.path(shard).exists()
     again = await hot.reserve("sid", info)
     assert again.shard is shard and shard.pins == 1  # the reader's pin carries over
-    await again.write(body)
+    await again.write((body,))
     assert await again.publish() is shard
     assert [bytes(v) for v in await hot.read(shard, members)] == [b"x" * 100, b"y" * 100]
     hot.unpin(shard)

@@ -69,7 +69,7 @@ def test_every_sample_once_with_workers_and_no_byte_through_the_socket(
             assert all(s["bin"] == want[s["__key__"]] for s in got)
         served, local = d.served()
         hot = d.daemon.hot
-        leases = d.call(lambda: len(d.daemon.server.leases._held))
+        leases = d.leases_left()
     # Every payload byte of both epochs (bin, and a cls of one digit) came from the files.
     assert served == local == 2 * sum(len(v) + 1 for v in want.values())
     # The readers closed what they read: no lease left behind.
@@ -191,7 +191,7 @@ def test_a_local_reader_gives_its_pins_back_with_its_next_request(
         loader = FastLoader(urls, socket=d.socket, batch_size=8, inflight=2)
         seen = [key for batch in loader for key in batch.keys]
         after = closes()
-        leases = d.call(lambda: len(d.daemon.server.leases._held))
+        leases = d.leases_left()
     assert sorted(seen) == sorted(want)
     # Of 6 shards: those whose reader sent nothing more (the last ones) close.
     assert after - before <= 2
@@ -331,7 +331,7 @@ def test_a_reader_that_cannot_see_the_files_reads_through_the_socket(
         assert served - before[0] == sum(len(v) + 1 for v in want.values())
         assert local == before[1]
         # Nor did the local replies it could not use leave their leases (pins) behind.
-        assert d.call(lambda: len(d.daemon.server.leases._held)) == 0
+        assert d.leases_left() == 0
         # Required: it says why and what to do.
         forced = in_mount_namespace(d.daemon.hot.dir, d.socket, urls, "True", namesakes=namesakes)
     out = json.loads(forced.stdout.splitlines()[-1])

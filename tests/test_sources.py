@@ -10,7 +10,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from botocore import exceptions as boto_exc
 
 from cached.config import S3Config
 from cached.errors import FetchError, FetchTimeout, ObjectNotFound, VerifyError
-from cached.sources import Sources
+from cached.sources import Sources, s3
 from cached.sources.base import ObjectInfo, Opened
 from cached.sources.file import FileSource
 from cached.sources.retry import (
@@ -64,8 +64,8 @@ class Collect:
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
 
-    async def __call__(self, data: bytes) -> None:
-        self.chunks.append(data)
+    async def __call__(self, run: Sequence[bytes]) -> None:
+        self.chunks.extend(run)
 
     @property
     def data(self) -> bytes:
@@ -131,6 +131,55 @@ async def test_small_object_is_one_get(direct: S3Source, s3_server: S3Server, bu
     s3_server.reset_counts()
     assert await fetch_bytes(direct, info) == body
     assert s3_server.count("GET", bucket) == 1
+
+
+async def test_a_streamed_get_hands_the_chunks_over_as_they_were_received(
+    make_source: SourceFactory, s3_server: S3Server, bucket: str
+) -> None:
+    """No join on the way to the hot tier (D35): a run holds the chunks the socket gave,
+    in order, so a byte is copied once, into the file."""
+    body = payload((3 << 20) + 5)
+    s3_server.put(bucket, "stream.tar", body)
+    runs: list[Sequence[bytes]] = []
+
+    async def sink(run: Sequence[bytes]) -> None:
+        runs.append(run)
+
+    async with make_source(s3_server.endpoint_url, part_size_bytes=8 << 20) as src:
+        await src.fetch(await src.head(f"s3://{bucket}/stream.tar"), sink)
+    assert b"".join(chunk for run in runs for chunk in run) == body
+    assert max(map(len, runs)) > 1  # several received chunks in one run: none joined
+
+
+async def test_a_chunked_body_is_read_to_its_end_chunk_by_chunk() -> None:
+    """A body sent with chunked transfer encoding: where a chunk's end arrives after its
+    bytes were taken, aiohttp's ``readchunk`` says ``(b"", True)``, which is not the
+    body's end. (A server that writes each chunk's closing CRLF late makes it happen.)"""
+    parts = [payload(1000, i) for i in range(4)]
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for part in parts:
+            writer.write(b"%x\r\n" % len(part) + part)
+            await writer.drain()
+            await asyncio.sleep(0.05)  # the reader takes the bytes before the chunk ends
+            writer.write(b"\r\n")
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    got: list[bytes] = []
+    async with (
+        server,
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{port}/") as response,
+    ):
+        while data := await s3._chunk(response.content):
+            got.append(data)
+    assert b"".join(got) == b"".join(parts)
 
 
 async def test_large_object_is_ranged_gets_in_order(
@@ -493,7 +542,7 @@ async def test_sink_errors_propagate_unchanged(
         s3_server.put(bucket, key, payload(size))
         info = await direct.head(f"s3://{bucket}/{key}")
 
-        async def sink(data: bytes) -> None:
+        async def sink(run: Sequence[bytes]) -> None:
             # A ConnectionError from the sink must not be taken for a network failure.
             raise ConnectionResetError("the consumer hung up")
 
@@ -632,10 +681,10 @@ async def test_object_replaced_mid_fetch_never_mixes_versions(
     s3_server.put(bucket, "big.tar", old)
     sink = Collect()
 
-    async def replacing_sink(data: bytes) -> None:
+    async def replacing_sink(run: Sequence[bytes]) -> None:
         if not sink.chunks:
             await asyncio.to_thread(s3_server.put, bucket, "big.tar", new)
-        await sink(data)
+        await sink(run)
 
     async with make_source(s3_server.endpoint_url, part_concurrency=2) as src:
         info = await src.head(f"s3://{bucket}/big.tar")
@@ -753,11 +802,11 @@ async def test_file_growing_while_read(tmp_path: Path) -> None:
     info = await src.head(path.as_uri())
     sink = Collect()
 
-    async def appending_sink(data: bytes) -> None:
+    async def appending_sink(run: Sequence[bytes]) -> None:
         if not sink.chunks:
             with path.open("ab") as fh:
                 fh.write(b"more")
-        await sink(data)
+        await sink(run)
 
     with pytest.raises(VerifyError, match="grew"):
         await src.fetch(info, appending_sink)

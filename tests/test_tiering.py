@@ -372,7 +372,7 @@ async def test_a_shard_a_reader_waits_for_is_spared_until_it_is_pinned(tmp_path:
 
     async def publish(name: str) -> None:
         writer = await hot.reserve(name, info(name))
-        await writer.write(body)
+        await writer.write((body,))
         await writer.publish()
 
     # Room for one reservation and one resident shard (its tar and a sidecar of some
@@ -385,7 +385,7 @@ async def test_a_shard_a_reader_waits_for_is_spared_until_it_is_pinned(tmp_path:
         writer = await hot.reserve("next", info("next"))
         assert hot.get("waited", access=False) is not None
         assert hot.get("other", access=False) is None  # the room came from this one
-        await writer.write(body)
+        await writer.write((body,))
         await writer.publish()
         # Only the waited-for shard is left to evict: a reservation waits rather than
         # take it, and then says the tier is full.

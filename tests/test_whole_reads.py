@@ -72,7 +72,7 @@ def test_a_later_epoch_reads_each_shard_with_one_request_and_no_open(
         before, hits = d.call(lambda: _requests(d)), _counter(d, "hits")
         assert _epoch(loader, 1) == want
         after, hits_after = d.call(lambda: _requests(d)), _counter(d, "hits")
-        leases = d.call(lambda: len(d.daemon.server.leases._held))
+        leases = d.leases_left()
         served, local = d.served()
     assert after[("open", "ok")] == before[("open", "ok")]  # no open in the second epoch
     reads = after[("read", "ok")] - before[("read", "ok")]

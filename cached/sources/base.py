@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from types import TracebackType
@@ -10,8 +10,10 @@ from typing import Any, Protocol
 
 from ..errors import FetchError
 
-# Receives the object's bytes in order, exactly once each; may apply back-pressure by awaiting.
-Sink = Callable[[bytes], Awaitable[None]]
+# Receives the object's bytes in order, exactly once each, as runs of one or more chunks
+# (as they came off the socket: never joined, so a byte is copied once on its way to the
+# hot tier's file); may apply back-pressure by awaiting.
+Sink = Callable[[Sequence[bytes]], Awaitable[None]]
 # Tells the sink to forget every byte it was given: the object is sent again from byte 0.
 Rewind = Callable[[], Awaitable[None]]
 

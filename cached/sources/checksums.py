@@ -3,7 +3,7 @@
 S3 stores a full-object checksum with every object uploaded by a current SDK (CRC64NVME
 by default on AWS since 2025, CRC32 from boto3 and MinIO's clients, CRC32C from others)
 and returns it with ``x-amz-checksum-mode: ENABLED``. Checking the body against it costs
-one pass at C speed (CRC32C and CRC64NVME at ~8 GB/s, CRC32 at ~2 GB/s on this machine,
+one pass at C speed (CRC32C and CRC64NVME at ~45 GB/s, CRC32 at ~2.7 GB/s on this machine,
 against MD5's ~0.5 GB/s), and it can be carried across a resumed transfer, since the bytes
 are checked in order as they are delivered. So each byte is hashed once: with the
 store's checksum where there is one, else with the MD5 of a plain ETag.
@@ -41,7 +41,8 @@ def _zlib_crc32(data: bytes, previous: int) -> int:
 _ALGORITHMS: dict[str, tuple[str, Update | None, int]] = {
     "crc64nvme": ("ChecksumCRC64NVME", _crt("crc64nvme"), 8),
     "crc32c": ("ChecksumCRC32C", _crt("crc32c"), 4),
-    "crc32": ("ChecksumCRC32", _zlib_crc32, 4),
+    # awscrt's CRC32 runs at 2.7 GB/s here, zlib's at 1.9 (D35).
+    "crc32": ("ChecksumCRC32", _crt("crc32") or _zlib_crc32, 4),
 }
 
 

@@ -120,7 +120,7 @@ class FileSource(OwnsStack):
                     f"after {info.size - remaining}; it shrank while being read"
                 )
             remaining -= len(data)
-            await sink(data)
+            await sink((data,))
         # One more byte tells a file that grew (or is still being written) from a whole one.
         if await asyncio.to_thread(fh.read, 1):
             raise VerifyError(

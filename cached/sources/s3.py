@@ -19,7 +19,7 @@ import math
 import os
 import re
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, suppress
 from pathlib import Path
 from typing import Any, TypeVar
@@ -94,22 +94,25 @@ class _Verifier:
         """The server says the ETag is not an MD5 after all (encryption): size check only."""
         self._md5 = None
 
-    def _hash(self, data: bytes) -> None:
-        if self._store is not None:
-            self._store.update(data)
-        elif self._md5 is not None:
-            self._md5.update(data)
+    def _hash(self, run: Sequence[bytes]) -> None:
+        for data in run:
+            if self._store is not None:
+                self._store.update(data)
+            elif self._md5 is not None:
+                self._md5.update(data)
 
-    async def deliver(self, data: bytes, sink: Sink) -> None:
-        """Check ``data`` and hand it to the sink, overlapping the two for large chunks."""
-        self.delivered += len(data)
+    async def deliver(self, run: Sequence[bytes], sink: Sink) -> None:
+        """Check a run of chunks and hand it to the sink, overlapping the two for large
+        runs."""
+        size = sum(map(len, run))
+        self.delivered += size
         if self._store is None and self._md5 is None:
-            await sink(data)
-        elif len(data) < _HASH_IN_THREAD_BYTES:
-            self._hash(data)
-            await sink(data)
+            await sink(run)
+        elif size < _HASH_IN_THREAD_BYTES:
+            self._hash(run)
+            await sink(run)
         else:
-            await asyncio.gather(asyncio.to_thread(self._hash, data), sink(data))
+            await asyncio.gather(asyncio.to_thread(self._hash, run), sink(run))
 
     def finish(self) -> None:
         """Raise :class:`VerifyError` unless every byte arrived and the checksum matches."""
@@ -248,6 +251,26 @@ async def _get_object(client: Any, **params: str) -> dict[str, Any]:
 async def _read(body: Any, amount: int) -> bytes:
     data: bytes = await body.read(amount)
     return data
+
+
+async def _chunk(content: Any) -> bytes:
+    """The next chunk of an aiohttp body as it came off the socket (b"" at its end).
+    ``read(n)`` would join every chunk buffered so far into new bytes: one more copy of
+    every byte, into freshly faulted memory, for nothing (D35)."""
+    while True:
+        data, end_of_http_chunk = await content.readchunk()
+        # (b"", True) marks a chunked encoding's chunk boundary, not the end.
+        if data or not end_of_http_chunk:
+            return data  # type: ignore[no-any-return]
+
+
+def _chunks_of(body: Any, amount: int) -> Callable[[], Awaitable[bytes]]:
+    """How to take ``body``'s next chunk: as received where the body is aiohttp's,
+    else ``read(amount)``."""
+    content = getattr(getattr(body, "raw_stream", None), "content", None)
+    if content is not None and hasattr(content, "readchunk"):
+        return lambda: _chunk(content)
+    return lambda: _read(body, amount)
 
 
 async def _read_span(body: Any, length: int) -> bytes:
@@ -686,24 +709,26 @@ class S3Source(OwnsStack):
                         f"{info.url}: size mismatch: expected {info.size} bytes, the server "
                         f"sends {length} from byte {start}; look the object up again"
                     )
-                # Reads arrive in the sizes the socket gives; they are gathered into
-                # chunks of about `chunk` bytes with one join (one copy), not appended.
+                # Chunks come in the sizes the socket gives. They are handed over in
+                # runs of about `chunk` bytes (one trip to the writer's thread each),
+                # never joined: the one copy of a byte is the write into the file.
                 held: list[bytes] = []
                 size = 0
+                next_chunk = _chunks_of(body, chunk)
 
                 async def flush() -> None:
                     nonlocal size
-                    data = held[0] if len(held) == 1 else b"".join(held)
+                    run = tuple(held)
                     held.clear()
                     size = 0
                     try:
-                        await verifier.deliver(data, sink)
+                        await verifier.deliver(run, sink)
                     except Exception as exc:
                         raise _SinkFailed(exc) from exc
 
                 while True:
                     try:
-                        data = await _read(body, chunk - size)
+                        data = await next_chunk()
                     except Exception:
                         # The bytes that did arrive are good (the checksum still checks
                         # them): hand them over, so that the retry asks only for the rest.
@@ -774,7 +799,7 @@ class S3Source(OwnsStack):
                 window.popleft()
                 # Refill before the sink works, so the network stays busy while it writes.
                 start_next()
-                await verifier.deliver(data, sink)
+                await verifier.deliver((data,), sink)
         finally:
             # On any failure (a part, the sink, cancellation) stop the parts still running.
             for task in window:

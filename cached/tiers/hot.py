@@ -732,26 +732,29 @@ class ShardWriter:
         self._not_a_tar: NotATarError | None = None
         self.bytes_written = 0
 
-    def _write(self, chunk: bytes) -> None:
-        if self._not_a_tar is not None:
-            return
-        try:
-            self._indexer.feed(chunk)
-        except NotATarError as exc:
-            # Held until the download ends: a header damaged in transit looks exactly like
-            # a corrupt archive, and only the body's checksum (checked at the end, when
-            # the source may fetch it again) tells the two apart. publish() raises it.
-            self._not_a_tar = exc
-            return
-        self._file.write(chunk)
-        # The checksums come from the very bytes written, in the same pass.
-        self._sums.update(chunk, self._indexer.found)
+    def _write(self, run: Sequence[bytes]) -> None:
+        for chunk in run:
+            if self._not_a_tar is not None:
+                return
+            try:
+                self._indexer.feed(chunk)
+            except NotATarError as exc:
+                # Held until the download ends: a header damaged in transit looks exactly
+                # like a corrupt archive, and only the body's checksum (checked at the end,
+                # when the source may fetch it again) tells the two apart. publish()
+                # raises it.
+                self._not_a_tar = exc
+                return
+            self._file.write(chunk)
+            # The checksums come from the very bytes written, in the same pass.
+            self._sums.update(chunk, self._indexer.found)
 
-    async def write(self, chunk: bytes) -> None:
-        """Append a chunk; disk, index and checksum work run off the event loop. Bytes
-        that are not a tar archive are dropped, and :meth:`publish` raises NotATarError."""
-        await asyncio.to_thread(self._write, chunk)
-        self.bytes_written += len(chunk)
+    async def write(self, run: Sequence[bytes]) -> None:
+        """Append a run of chunks; disk, index and checksum work run off the event loop.
+        Bytes that are not a tar archive are dropped, and :meth:`publish` raises
+        NotATarError."""
+        await asyncio.to_thread(self._write, run)
+        self.bytes_written += sum(map(len, run))
 
     async def rewind(self) -> None:
         """Start again from byte 0: the source sends the whole object again (a body that
