@@ -733,9 +733,9 @@ class ShardWriter:
         self.bytes_written = 0
 
     def _write(self, run: Sequence[bytes]) -> None:
+        if self._not_a_tar is not None:
+            return
         for chunk in run:
-            if self._not_a_tar is not None:
-                return
             try:
                 self._indexer.feed(chunk)
             except NotATarError as exc:
