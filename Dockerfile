@@ -47,13 +47,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/cached/bin:$PATH
 COPY --from=build /opt/cached /opt/cached
 
-# A fixed non-root uid, so hostPath/volume ownership can be prepared for it
-# (Kubernetes: runAsUser/fsGroup 10001).
+# A fixed non-root uid and gid, so hostPath/volume ownership can be prepared for it
+# (Kubernetes: runAsUser/runAsGroup 10001). The directories are the group's (0750): a
+# training container with gid 10001 among its groups reaches the socket and reads the
+# shards (docs/operations.md, "Security model"); a new volume takes these modes.
 RUN groupadd --gid 10001 cached \
  && useradd --uid 10001 --gid cached --no-create-home --home-dir /nonexistent \
       --shell /usr/sbin/nologin cached \
- && mkdir -p /var/cache/cached /run/cached \
- && chown cached:cached /var/cache/cached /run/cached
+ && install -d -m 0750 -o cached -g cached /var/cache/cached /run/cached
 
 # The hot tier ([cache] dir) and the ipc socket's directory ([server] socket default
 # ipc:///run/cached/cached.sock); mount volumes or host paths here.

@@ -62,6 +62,7 @@ import json
 import logging
 import multiprocessing
 import os
+import random
 import re
 import signal
 import statistics
@@ -82,7 +83,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import common
+from bench import common, hostile
 from cached.config import parse_size
 from cached.local import DaemonProcess, make_tar, s3_endpoint, write_config
 
@@ -107,6 +108,8 @@ SETTLE_S = 20.0
 MAX_ERRORS_PER_UNIT = 3
 # Examples kept per kind of finding (the counts are always complete).
 EXAMPLES = 5
+# Waits between items kept per unit for the latency percentiles.
+GAP_SAMPLES = 20_000
 
 # -- the dataset --------------------------------------------------------------------------------
 
@@ -252,6 +255,8 @@ class UnitReport:
     bytes: int = 0
     epoch_s: list[float] = field(default_factory=list)
     max_gap_s: float = 0.0  # the longest wait for the next sample or batch
+    # Waits for the next sample or batch: a uniform sample of at most GAP_SAMPLES of them.
+    gaps: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     findings: Findings = field(default_factory=Findings)
 
@@ -269,16 +274,28 @@ class UnitReport:
 
 
 class Gaps:
-    """The longest time between two consecutive items a unit received."""
+    """The time between two consecutive items a unit received: the longest, and a uniform
+    sample of all of them (reservoir sampling, so a 10-minute run keeps a bounded list)."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 0) -> None:
         self.last = time.monotonic()
         self.worst = 0.0
+        self.seen = 0
+        self.kept: list[float] = []
+        self._rng = random.Random(seed)
 
     def tick(self) -> None:
         now = time.monotonic()
-        self.worst = max(self.worst, now - self.last)
+        gap = now - self.last
+        self.worst = max(self.worst, gap)
         self.last = now
+        self.seen += 1
+        if len(self.kept) < GAP_SAMPLES:
+            self.kept.append(gap)
+        else:
+            slot = self._rng.randrange(self.seen)
+            if slot < GAP_SAMPLES:
+                self.kept[slot] = gap
 
 
 def dataset_keys(data: Dataset, shards: Sequence[int]) -> set[str]:
@@ -293,7 +310,7 @@ class ClientPlan:
     """What one client process runs (sent to it when it is spawned)."""
 
     name: str
-    kind: str  # "dataloader" or "fast"
+    kind: str  # "dataloader", "fast", or a hostile client's kind (bench/hostile.py)
     data: Dataset
     socket: str
     units: int  # DataLoaders (always 1 here) or FastLoader threads
@@ -331,6 +348,12 @@ def client_main(
     counter = WarningCounter()
     logging.getLogger("cached_client").addHandler(counter)
     reports: list[UnitReport] = []
+    if plan.kind in hostile.KINDS:
+        events.put(("ready", plan.name, None))
+        go.wait()
+        bad = hostile.run(plan.kind, plan.name, plan.socket, plan.data.urls, deadline.value)
+        events.put(("report", plan.name, {"hostile": bad.as_dict()}))
+        return
     try:
         runners: list[Callable[[float], UnitReport]] = []
         if plan.kind == "dataloader":
@@ -468,7 +491,7 @@ def _dataloader_unit(plan: ClientPlan, unit: int) -> Callable[[float], UnitRepor
                 gaps.last = time.monotonic()  # a new loader's start is not a gap
             report.end_epoch(check, cut=cut, started=started)
             epoch += 1
-        report.max_gap_s = gaps.worst
+        report.max_gap_s, report.gaps = gaps.worst, gaps.kept
         try:
             close_loader(loader)
         except Exception as exc:
@@ -530,7 +553,7 @@ def _fast_unit(plan: ClientPlan, unit: int) -> Callable[[float], UnitReport]:
                 gaps.last = time.monotonic()  # a new loader's start is not a gap
             report.end_epoch(check, cut=cut, started=started)
             epoch += 1
-        report.max_gap_s = gaps.worst
+        report.max_gap_s, report.gaps = gaps.worst, gaps.kept
         return report
 
     return run
@@ -623,6 +646,7 @@ class Watcher:
         self.probe_failures: list[str] = []
         self.daemon_gone_at: float | None = None
         self.go_at: float | None = None
+        self.idle_rss: int | None = None  # VmRSS before the load
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._sample_loop, name="soak-sample", daemon=True),
@@ -919,6 +943,11 @@ def client_plans(
         )
         for i in range(args.fast_procs)
     ]
+    if args.hostile:
+        plans += [
+            ClientPlan(kind, kind, data, socket, 1, 0, 0, 0, str(work / f"{kind}.stacks"))
+            for kind in hostile.KINDS
+        ]
     return plans
 
 
@@ -929,6 +958,7 @@ class ClientResults:
     warning_examples: list[str]
     hung: dict[str, str]  # client name -> its threads' stacks
     exit_codes: dict[str, int | None]
+    hostile: list[dict[str, Any]] = field(default_factory=list)  # HostileReport.as_dict()
 
 
 def run_clients(
@@ -1059,13 +1089,15 @@ def _drive_clients(
         if p.is_alive():
             kill_tree(p)
             p.join(timeout=10)
-    units = [UnitReport(**_unit_fields(u)) for r in reports.values() for u in r["units"]]
+    good = [r for r in reports.values() if "hostile" not in r]
+    units = [UnitReport(**_unit_fields(u)) for r in good for u in r["units"]]
     return ClientResults(
         units,
-        sum(r["warnings"] for r in reports.values()),
-        [w for r in reports.values() for w in r["warning_examples"]],
+        sum(r["warnings"] for r in good),
+        [w for r in good for w in r["warning_examples"]],
         hung,
         {name: p.exitcode for name, p in procs.items()},
+        [r["hostile"] for r in reports.values() if "hostile" in r],
     )
 
 
@@ -1178,7 +1210,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--max-rss-growth", type=float, default=0.05, help="allowed RSS growth (0.05 = 5%%)"
     )
     p.add_argument(
+        "--max-rss-over-idle",
+        type=parse_size,
+        default="256MiB",
+        help="with --hostile: the most the daemon's peak RSS may exceed its idle RSS (256MiB)",
+    )
+    p.add_argument(
         "--progress", type=float, help="seconds between progress lines (default 60; --small 10)"
+    )
+    p.add_argument(
+        "--hostile",
+        action="store_true",
+        help="add the hostile clients of bench/hostile.py (one that never reads its replies, "
+        "one that sends oversized requests) beside the good streams",
+    )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="run twice, without and then with the hostile clients (a fresh daemon each), "
+        "and compare the good streams' latency and the daemon's memory",
     )
     p.add_argument("--out", type=Path, default=common.OUT_DIR, help="where the JSON goes")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
@@ -1219,9 +1269,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             endpoint: str = parent.recv()
             tar_bytes = upload(endpoint, data, log)
             doc["dataset"] = {**asdict(data), "tar_bytes": tar_bytes}
-            result = soak(
-                args, data=data, tar_bytes=tar_bytes, endpoint=endpoint, work=work, doc=doc, log=log
-            )
+            result = 0
+            phases = (False, True) if args.compare else (args.hostile,)
+            for bad in phases:
+                args.hostile = bad
+                name = "hostile" if bad else "baseline"
+                if args.compare:
+                    log(
+                        f"\n== {name}: a fresh daemon, {'with' if bad else 'without'} the "
+                        "hostile clients"
+                    )
+                here = work / name
+                here.mkdir()
+                result |= soak(
+                    args,
+                    data=data,
+                    tar_bytes=tar_bytes,
+                    endpoint=endpoint,
+                    work=here,
+                    doc=doc.setdefault(name, {}) if args.compare else doc,
+                    log=log,
+                )
+            if args.compare:
+                compare(doc["baseline"]["figures"], doc["hostile"]["figures"], log)
         finally:
             stop_s3.set()
             s3.join(timeout=20)
@@ -1257,7 +1327,11 @@ def soak(
         },
     )
     plans = client_plans(args, data, socket, work)
-    streams = sum(p.workers if p.kind == "dataloader" else p.units for p in plans)
+    streams = sum(
+        p.workers if p.kind == "dataloader" else p.units
+        for p in plans
+        if p.kind not in hostile.KINDS
+    )
     log(
         f"hot tier {common.human(capacity)} (the dataset is {tar_bytes / capacity:.1f}x it); "
         f"{streams} streams: {args.loaders} DataLoader processes x {args.workers} workers "
@@ -1278,6 +1352,7 @@ def soak(
         time.sleep(3)  # an idle baseline for the prober
         idle_probes = [p[1] for p in watcher.probes]
         idle = proc_sample(pid, 0.0, hot_dir)
+        watcher.idle_rss = idle.rss if idle else None
         doc["idle_before"] = {
             "proc": asdict(idle) if idle else None,
             "fd_kinds": fd_kinds(pid, hot_dir),
@@ -1347,7 +1422,7 @@ def soak(
         marks=marks,
         loaded_until_s=loaded_until,
         checks={k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()},
-        units=[asdict(u) for u in clients.units],
+        units=[{k: v for k, v in asdict(u).items() if k != "gaps"} for u in clients.units],
         client_warnings=clients.warning_examples,
         client_exit_codes=clients.exit_codes,
         hung=clients.hung,
@@ -1461,6 +1536,13 @@ def evaluate(
         "client_warnings": clients.warnings,
         "findings": asdict(f),
         "daemon": counter_deltas(served, args.duration),
+        # The good streams' waits for their next sample (DataLoader) or batch (FastLoader).
+        "latency": {
+            kind: percentiles([g for u in units if u.kind == kind for g in u.gaps])
+            for kind in ("dataloader", "fast")
+        },
+        "rss_idle": watcher.idle_rss,
+        "hostile": clients.hostile,
     }
     expected_streams = args.loaders * args.workers + args.fast_procs * args.fast_streams
     gained_fds = figures["other_fds_per_min"] * (args.duration - args.ref_at) / 60
@@ -1502,6 +1584,7 @@ def evaluate(
             f"alive {alive_at_end}, exit {stop['exit_code']} after {stop['seconds']:.1f}s "
             f"({stop['sent']})",
         ),
+        **hostile_checks(args, figures, clients.hostile),
         "prober answered": (
             not watcher.probe_failures,
             f"{len(watcher.probe_failures)} failures"
@@ -1509,6 +1592,64 @@ def evaluate(
         ),
     }
     return checks, figures
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | int | None]:
+    """``{"n", "p50", "p99"}`` of ``values`` (None where there are none)."""
+    xs = sorted(values)
+    if not xs:
+        return {"n": 0, "p50": None, "p99": None}
+    return {"n": len(xs), "p50": xs[len(xs) // 2], "p99": xs[min(len(xs) - 1, int(len(xs) * 0.99))]}
+
+
+def hostile_checks(
+    args: argparse.Namespace, figures: dict[str, Any], reports: Sequence[dict[str, Any]]
+) -> dict[str, tuple[bool, str]]:
+    """With ``--hostile``: each hostile client really ran, and the daemon's memory stayed
+    within ``--max-rss-over-idle`` of its idle size (the good streams' own checks, every
+    sample exactly once and intact with no error, are the rest of the verdict)."""
+    if not args.hostile:
+        return {}
+    checks: dict[str, tuple[bool, str]] = {}
+    for kind in hostile.KINDS:
+        got = [r for r in reports if r["kind"] == kind]
+        ok = bool(got) and got[0]["requests"] > 0 and not got[0]["errors"]
+        detail = (
+            "did not report"
+            if not got
+            else f"{got[0]['requests']:,} requests on {got[0]['connections']} connections, "
+            f"{got[0]['refused']:,} sends refused by its own queue"
+            + (f"; error: {got[0]['errors']}" if got[0]["errors"] else "")
+        )
+        checks[f"hostile client {kind} ran"] = (ok, detail)
+    idle, peak = figures["rss_idle"], figures["rss_peak"]
+    bound = args.max_rss_over_idle
+    checks[f"rss peak <= idle + {common.human(bound)}"] = (
+        idle is not None and peak - idle <= bound,
+        f"idle {common.human(idle or 0)}, peak {common.human(peak)} "
+        f"(+{common.human(peak - (idle or 0))})",
+    )
+    return checks
+
+
+def compare(base: dict[str, Any], bad: dict[str, Any], log: Callable[[str], None]) -> None:
+    """The good streams' latency and the daemon's memory, without and with the hostile
+    clients (figures of :func:`evaluate`)."""
+    log("\nthe good streams without / with the hostile clients (waits for the next item):")
+    for kind in ("dataloader", "fast"):
+        a, b = base["latency"][kind], bad["latency"][kind]
+        if not a["n"] or not b["n"]:
+            continue
+        log(
+            f"  {kind:<12} p50 {_ms(a['p50'])} / {_ms(b['p50'])} ({b['p50'] / a['p50']:.2f}x), "
+            f"p99 {_ms(a['p99'])} / {_ms(b['p99'])} ({b['p99'] / a['p99']:.2f}x)"
+        )
+    for name in ("rss_idle", "rss_peak"):
+        log(f"  {name:<12} {common.human(base[name] or 0)} / {common.human(bad[name] or 0)}")
+    log(
+        f"  samples      {base['samples']:,} / {bad['samples']:,} "
+        f"({bad['samples'] / max(1, base['samples']):.2f}x)"
+    )
 
 
 COUNTERS = (
@@ -1625,6 +1766,22 @@ def print_report(
             f"+{f['partial_epoch_samples']:,} in cut-off epochs",
         ),
     ]
+    for kind, lat in f["latency"].items():
+        if lat["n"]:
+            rows.append(
+                (
+                    f"{kind} waits",
+                    f"p50 {_ms(lat['p50'])}, p99 {_ms(lat['p99'])} ({lat['n']:,} sampled)",
+                )
+            )
+    for bad in f["hostile"]:
+        rows.append(
+            (
+                f"hostile: {bad['kind']}",
+                f"{bad['requests']:,} requests, {bad['connections']} connections"
+                + (f", error {bad['errors']}" if bad["errors"] else ""),
+            )
+        )
     stop = f["daemon_stop"]
     rows.append(("stop", f"exit {stop['exit_code']} {stop['seconds']:.1f}s after {stop['sent']}"))
     for name, value in rows:

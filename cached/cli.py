@@ -97,6 +97,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples-per-shard", type=int, default=256)
     demo.add_argument("--workers", type=int, default=2)
     demo.add_argument("--dir", help="working directory (default: a temporary one)")
+    demo.add_argument(
+        "--keep",
+        action="store_true",
+        help="after the epochs, leave the S3 server and the daemon running and print the "
+        "environment to use them with, until Ctrl-C (--epochs 0: start them only)",
+    )
     return parser
 
 
@@ -166,6 +172,7 @@ def _run(args: argparse.Namespace) -> int:
             samples_per_shard=args.samples_per_shard,
             workers=args.workers,
             workdir=args.dir,
+            keep=args.keep,
         )
     raise AssertionError(args.command)
 
@@ -188,9 +195,13 @@ def _status(socket: str, as_json: bool) -> int:
     hot, c = status["hot"], status["counters"]
     opens = c["hits"] + c["misses"]
     print(f"cached {status['version']}  up {status['uptime_s']:.0f}s  socket {status['socket']}")
+    # The bound kept now: less than the capacity where the disk has less room.
+    effective = hot.get("capacity_effective_bytes", hot["capacity_bytes"])
+    disk = f", the disk has room for {format_size(effective)}"
     print(
         f"hot tier  {hot['dir']}: {hot['shards']} shards, {format_size(hot['used_bytes'])} of "
-        f"{format_size(hot['capacity_bytes'])} ({hot['policy']}), {hot['pinned_shards']} pinned, "
+        f"{format_size(hot['capacity_bytes'])} ({hot['policy']}"
+        f"{disk if effective < hot['capacity_bytes'] else ''}), {hot['pinned_shards']} pinned, "
         f"{hot['fetching_shards']} fetching"
     )
     print(
@@ -242,17 +253,25 @@ def _status(socket: str, as_json: bool) -> int:
 
 def _job_line(job: dict[str, Any]) -> str:
     """E.g. "waiting 12.3% of 100 s of loop, 5000 batches, 3 ready, 2 processes, 4 plans"."""
-    share = job["wait_fraction"]
+    share, loop_s = job["wait_fraction"], job["loop_s"]
+    # The daemon keeps loop_s to the ms: below that a share says nothing yet.
     parts = [
         "no loop time yet"
-        if share is None
-        else f"waiting {share:.1%} of {job['loop_s']:.0f} s of loop",
+        if share is None or loop_s < 0.001
+        else f"waiting {share:.1%} of {_duration(loop_s)} of loop",
         f"{job['batches']} batches",
     ]
     if job["ready"] is not None:
         parts.append(f"{job['ready']} ready")
     parts += [f"{job['reporters']} processes", f"{job['plans']} plans"]
     return ", ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    """``0.25 -> "250 ms"``, ``4.2 -> "4.2 s"``, ``100.4 -> "100 s"``."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
 
 
 def _prefetch(socket: str, patterns: list[str]) -> int:
@@ -284,10 +303,14 @@ def _prefetch(socket: str, patterns: list[str]) -> int:
             url, rid = pending.pop(0)
             try:
                 conn.wait(rid)
+                bar.update(1)
             except CachedClientError as exc:
                 failed += 1
-                tqdm.write(f"{url}: {exc}", file=sys.stderr)
-            bar.update(1)
+                # The daemon's messages name the URL already.
+                tqdm.write(str(exc) if url in str(exc) else f"{url}: {exc}", file=sys.stderr)
+                bar.update(1)
+                # Drawn now, not at the bar's next refresh: a failure is seen as it happens.
+                bar.set_postfix_str(f"{failed} failed", refresh=True)
     if failed:
         print(f"cached: {failed} of {len(urls)} shards failed", file=sys.stderr)
         return 1

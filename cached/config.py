@@ -68,6 +68,20 @@ def _size(default: str) -> Any:
     return field(default=parse_size(default), metadata={"size": True})
 
 
+# An endpoint's URL: botocore takes "127.0.0.1:9000" without complaint and fails only at the
+# first request, far from the config line that caused it.
+def _endpoint() -> Any:
+    return field(default=None, metadata={"endpoint": True})
+
+
+def _check_endpoint(value: str) -> str:
+    if re.fullmatch(r"https?://[^/?#\s]+(/\S*)?", value):
+        return value
+    if "://" not in value:
+        raise ValueError(f"{value!r} has no scheme: write http://{value} (or https://)")
+    raise ValueError(f"{value!r} is not an http:// or https:// URL, e.g. http://HOST:PORT")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """``[server]``: where clients and operators reach the daemon."""
@@ -82,6 +96,24 @@ class ServerConfig:
     # reader; a DataLoader worker is a client of its own), and shards pinned by its reads.
     max_plans_per_client: int = 64
     max_leases_per_client: int = 4096
+    # Fairness on a shared node (docs/operations.md, "Fairness and bounds on a shared node").
+    # A request frame larger than this drops its connection before it is buffered (a plan
+    # of 1,000,000 URLs of ~100 characters is ~100 MB).
+    max_request_bytes: int = _size("128MiB")
+    # Requests one connection may have in flight, replies not yet taken included; a reply
+    # the client does not take within reply_timeout_s is dropped.
+    max_requests_per_client: int = 256
+    reply_timeout_s: float = 30.0
+    # The same caps per local user (the uid of an ipc connection; a tcp connection is a
+    # user of its own) and for all clients together. A plan costs ~600 bytes per URL.
+    max_plans_per_user: int = 1024
+    max_plans: int = 4096
+    max_plan_urls_per_user: int = 4_000_000
+    max_plan_urls: int = 8_000_000
+    max_leases_per_user: int = 16384
+    max_leases: int = 65536
+    # The bytes one user's leases may pin, as a share of [cache] capacity.
+    max_pinned_share_per_user: float = 0.75
     # Training jobs' reports (cached/jobs.py): a process silent this long is forgotten (live
     # ones report at least every 30 s), and at most this many jobs are followed at once
     # (each is a label value of the cached_job_* series).
@@ -123,7 +155,7 @@ class CacheConfig:
 class S3Config:
     """``[s3]``: the warm tier. Credentials come from the standard AWS chain."""
 
-    endpoint_url: str | None = None
+    endpoint_url: str | None = _endpoint()
     region: str = "us-east-1"
     addressing_style: str = "path"
     part_size_bytes: int = _size("16MiB")
@@ -151,6 +183,11 @@ class PrefetchConfig:
     # than the pin lease: a validation pass or a checkpoint between epochs must not lose
     # the next epoch's plan, which warms the hot tier across the boundary.
     plan_timeout_s: float = 900.0
+    # A plan whose connection closed (its process ended, or a DataLoader worker that ends
+    # with its epoch) is dropped this long after: long enough for the next epoch's workers
+    # to announce theirs while the prefetcher still follows it, short enough that a killed
+    # job leaves `cached status` within a minute.
+    plan_grace_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -166,7 +203,7 @@ class ColdConfig:
 
     warm_prefix: str = ""
     cold_prefix: str = ""
-    endpoint_url: str | None = None
+    endpoint_url: str | None = _endpoint()
     region: str = "us-east-1"
     promote: bool = False
 
@@ -255,7 +292,8 @@ def _coerce(f: dataclasses.Field[Any], value: Any, where: str, key: str, from_te
         if kind == "Path":
             return Path(str(value)).expanduser()
         if kind == "str | None":
-            return None if value in ("", None) else str(value)
+            text = None if value in ("", None) else str(value)
+            return _check_endpoint(text) if text and f.metadata.get("endpoint") else text
         if kind == "tuple[str, ...]":
             return _strings(value, from_text)
         if not isinstance(value, str):
@@ -283,6 +321,11 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"{where}: [s3] addressing_style must be path, virtual or auto")
     if cfg.cache.capacity_bytes <= 0:
         raise ConfigError(f"{where}: [cache] capacity must be positive")
+    share = cfg.server.max_pinned_share_per_user
+    if not 0 < share <= 1:
+        raise ConfigError(
+            f"{where}: [server] max_pinned_share_per_user must be in (0, 1], not {share}"
+        )
     _validate_access(cfg.server, where)
     _validate_cold(cfg.cold, where)
 

@@ -19,6 +19,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from . import __version__
+from .bounds import Bounds
 from .config import Config, format_size
 from .errors import CachedError
 from .fetcher import Fetcher
@@ -50,7 +51,7 @@ class Daemon:
         self.cfg = cfg
         self.metrics = Metrics(registry)
         self.ready = False
-        self.metrics.ready.set_function(lambda: 1.0 if self.ready else 0.0)
+        self.metrics.ready.set_function(lambda: 1.0 if self.serving() else 0.0)
         # At scrape time (on the event loop, where the scrape is served), not periodically.
         self.metrics.hot_unplanned_bytes.set_function(self._unplanned_bytes)
         self.started = time.time()
@@ -112,8 +113,8 @@ class Daemon:
                     m,
                     lease_timeout_s=self.cfg.server.lease_timeout_s,
                     max_read_samples=self.cfg.server.max_read_samples,
-                    max_plans_per_client=self.cfg.server.max_plans_per_client,
-                    max_leases_per_client=self.cfg.server.max_leases_per_client,
+                    bounds=Bounds.from_config(self.cfg.server),
+                    plan_grace_s=self.cfg.prefetch.plan_grace_s,
                     status=self.status,
                     planner=self.planner,
                     socket_mode=self.cfg.server.socket_mode,
@@ -131,7 +132,7 @@ class Daemon:
                         self.cfg.server.http,
                         m,
                         self.status,
-                        lambda: self.ready,
+                        self.serving,
                         history=self.history.snapshot,
                     )
                 )
@@ -198,6 +199,12 @@ class Daemon:
             if task is not waiter and not task.cancelled() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
 
+    def serving(self) -> bool:
+        """Ready, and the request loop makes progress: requests that wait to be taken while
+        none is taken or finished for STUCK_AFTER_S (every slot held) make it not ready."""
+        server: Server | None = getattr(self, "server", None)
+        return self.ready and (server is None or not server.stuck)
+
     def status(self) -> dict[str, Any]:
         """A JSON-able snapshot for ``/status`` and ``cached status``."""
         hot = self.hot.stats()
@@ -214,6 +221,7 @@ class Daemon:
                 "shards": hot.shards,
                 "used_bytes": hot.used_bytes,
                 "capacity_bytes": hot.capacity_bytes,
+                "capacity_effective_bytes": hot.effective_bytes,
                 "pinned_shards": hot.pinned,
                 "fetching_shards": hot.fetching,
                 "unverified_shards": hot.unverified,
@@ -313,6 +321,7 @@ class Daemon:
             hot = self.hot.stats()
             m.hot_bytes.set(hot.used_bytes)
             m.hot_capacity_bytes.set(hot.capacity_bytes)
+            m.hot_capacity_effective_bytes.set(hot.effective_bytes)
             m.hot_shards.set(hot.shards)
             m.pinned_shards.set(hot.pinned)
             m.fetching_shards.set(hot.fetching)
@@ -328,7 +337,9 @@ class Daemon:
         last_status = time.monotonic()
         while True:
             now = time.monotonic()
-            lines = ["WATCHDOG=1"] if watchdog is not None else []
+            # Not while the request loop is stuck: a loop that turns but serves no one is
+            # restarted as one that stopped turning is.
+            lines = ["WATCHDOG=1"] if watchdog is not None and self.serving() else []
             if now - last_status >= STATUS_INTERVAL_S or not lines:
                 lines.append(f"STATUS={self.status_line()}")
                 last_status = now

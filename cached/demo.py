@@ -20,6 +20,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -141,19 +142,15 @@ def main(
     workdir: str | None = None,
     *,
     screenshot: str | None = None,
+    keep: bool = False,
 ) -> int:
     """Run the demo; returns the process exit code. ``screenshot`` (default:
     ``$CACHED_DEMO_SCREENSHOT``): where to save a PNG of the dashboard, taken while the last
-    epoch trains."""
+    epoch trains. ``keep``: after the epochs, leave the S3 server and the daemon running and
+    print how to use them, until Ctrl-C."""
     require_demo_extras()
     screenshot = screenshot or os.environ.get(SCREENSHOT_ENV) or None
     shot = Path(screenshot).resolve() if screenshot else None
-    import torch
-    from cached_client import CachedDataset
-    from cached_client.device import DeviceLoader, StallMeter, pinned_memory_available
-    from torch import nn
-    from torch.utils.data import DataLoader
-
     from .config import format_size
     from .local import DaemonProcess, s3_endpoint
 
@@ -191,69 +188,108 @@ def main(
                     f"daemon up on {socket}; dataset {format_size(total)}; training on CPU "
                     f"with {workers} DataLoader workers\n"
                 )
-                dataset = CachedDataset(
-                    urls, socket=socket, shuffle=True, seed=0, decode=decode_sample, job="demo"
-                )
-                loader = DataLoader(
-                    dataset,
-                    batch_size=64,
-                    num_workers=workers,
-                    persistent_workers=workers > 0,
-                    pin_memory=pinned_memory_available(),
-                )
-                device = "cuda" if torch.cuda.is_available() else "cpu"
-                model = nn.Sequential(
-                    nn.Conv2d(3, 8, 3, padding=1),
-                    nn.ReLU(),
-                    nn.MaxPool2d(4),
-                    nn.Flatten(),
-                    nn.Linear(8 * 8 * 8, 64),
-                    nn.ReLU(),
-                    nn.Linear(64, CLASSES),
-                ).to(device)
-                opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-                head = (
-                    f"{'epoch':>5} {'time s':>7} {'samples/s':>10} {'loss':>7} {'acc':>6} "
-                    f"{'hits':>5} {'misses':>6} {'fetched':>10} {'waited':>7}"
-                )
-                print(head)
-                print("-" * len(head))
-                shooter = None
-                for epoch in range(epochs):
-                    dataset.set_epoch(epoch)
-                    if shot is not None and epoch == epochs - 1:
-                        shooter = _start_screenshot(_http_url(socket), shot)
-                    before = _counters(socket)
-                    meter = StallMeter()
-                    seen = correct = 0
-                    loss_sum = 0.0
-                    for images, labels in meter.wrap(DeviceLoader(loader, device)):
-                        logits = model(images)
-                        loss = nn.functional.cross_entropy(logits, labels)
-                        opt.zero_grad()
-                        loss.backward()  # type: ignore[no-untyped-call]
-                        opt.step()
-                        seen += len(labels)
-                        loss_sum += float(loss.detach()) * len(labels)
-                        correct += int((logits.argmax(1) == labels).sum())
-                    after = _counters(socket)
-                    print(
-                        f"{epoch:>5} {meter.total_s:>7.2f} {seen / meter.total_s:>10.0f} "
-                        f"{loss_sum / seen:>7.3f} {correct / seen:>6.1%} "
-                        f"{after['hits'] - before['hits']:>5.0f} "
-                        f"{after['demand_misses'] - before['demand_misses']:>6.0f} "
-                        f"{format_size(after['fetched_bytes'] - before['fetched_bytes']):>10} "
-                        f"{meter.fraction:>7.1%}"
-                    )
-                if shooter is not None:
-                    print(shooter())  # the daemon serves the page until it is taken
-                print(
-                    "\nepoch 0 fetched every shard from S3, ahead of the readers where it could;"
-                    " later epochs were served from the hot tier.\n'misses' counts the shards a"
-                    " reader had to wait for; 'waited' is the share of loop time blocked on the"
-                    " next batch."
-                )
+                if epochs > 0:
+                    _train(socket, urls, epochs, workers, shot)
+                if keep:
+                    _keep(socket, endpoint, urls, config, root)
     finally:
         if tmp is not None:
             tmp.cleanup()
     return 0
+
+
+def _train(socket: str, urls: str, epochs: int, workers: int, shot: Path | None) -> None:
+    """Train the small CNN for ``epochs`` through the daemon at ``socket``, a table row an
+    epoch."""
+    import torch
+    from cached_client import CachedDataset
+    from cached_client.device import DeviceLoader, StallMeter, pinned_memory_available
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from .config import format_size
+
+    dataset = CachedDataset(
+        urls, socket=socket, shuffle=True, seed=0, decode=decode_sample, job="demo"
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=64,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        pin_memory=pinned_memory_available(),
+    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(4),
+        nn.Flatten(),
+        nn.Linear(8 * 8 * 8, 64),
+        nn.ReLU(),
+        nn.Linear(64, CLASSES),
+    ).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    head = (
+        f"{'epoch':>5} {'time s':>7} {'samples/s':>10} {'loss':>7} {'acc':>6} "
+        f"{'hits':>5} {'misses':>6} {'fetched':>10} {'waited':>7}"
+    )
+    print(head)
+    print("-" * len(head))
+    shooter = None
+    for epoch in range(epochs):
+        dataset.set_epoch(epoch)
+        if shot is not None and epoch == epochs - 1:
+            shooter = _start_screenshot(_http_url(socket), shot)
+        before = _counters(socket)
+        meter = StallMeter()
+        seen = correct = 0
+        loss_sum = 0.0
+        for images, labels in meter.wrap(DeviceLoader(loader, device)):
+            logits = model(images)
+            loss = nn.functional.cross_entropy(logits, labels)
+            opt.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            seen += len(labels)
+            loss_sum += float(loss.detach()) * len(labels)
+            correct += int((logits.argmax(1) == labels).sum())
+        after = _counters(socket)
+        print(
+            f"{epoch:>5} {meter.total_s:>7.2f} {seen / meter.total_s:>10.0f} "
+            f"{loss_sum / seen:>7.3f} {correct / seen:>6.1%} "
+            f"{after['hits'] - before['hits']:>5.0f} "
+            f"{after['demand_misses'] - before['demand_misses']:>6.0f} "
+            f"{format_size(after['fetched_bytes'] - before['fetched_bytes']):>10} "
+            f"{meter.fraction:>7.1%}"
+        )
+    if shooter is not None:
+        print(shooter())  # the daemon serves the page until it is taken
+    print(
+        "\nepoch 0 fetched every shard from S3, ahead of the readers where it could;"
+        " later epochs were served from the hot tier.\n'misses' counts the shards a"
+        " reader had to wait for; 'waited' is the share of loop time blocked on the"
+        " next batch."
+    )
+
+
+def _keep(socket: str, endpoint: str, urls: str, config: Path, root: Path) -> None:
+    """Print how to use the running stack from another shell, then wait for Ctrl-C."""
+    http = _http_url(socket)
+    print(
+        "\nThe stack stays up until Ctrl-C. In another shell:\n\n"
+        f"  export CACHED_SOCKET={socket}\n"
+        f"  export AWS_ENDPOINT_URL={endpoint} AWS_ACCESS_KEY_ID=demo "
+        "AWS_SECRET_ACCESS_KEY=demo AWS_DEFAULT_REGION=us-east-1\n"
+        "  cached status\n"
+        f"  cached prefetch '{urls}'\n\n"
+        f"shards     {urls} (bucket demo at {endpoint})\n"
+        f"dashboard  {http}/\n"
+        f"config     {config} (daemon log {root / 'daemon.log'})",
+        flush=True,
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\nstopping the daemon and the S3 server", flush=True)

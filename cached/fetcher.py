@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import hashlib
 import logging
@@ -55,6 +56,10 @@ AHEAD_POLL_S = 0.25
 # Times an open follows an object replaced while it was being downloaded, before it
 # gives up (an object rewritten faster than it can be read).
 CHANGED_RETRIES = 3
+# Attempts of a download whose writes find the disk full (another program filled it):
+# each removes its partial file, evicts and GETs again.
+DISK_FULL_ATTEMPTS = 3
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 class SourceLike(Protocol):
@@ -493,13 +498,7 @@ class Fetcher:
         tier = info.tier
         started = time.monotonic()
         try:
-            writer = await self._reserve(sid, info, priority, opened)
-            try:
-                await self.sources.fetch(info, writer.write, rewind=writer.rewind, opened=opened)
-                shard = await writer.publish()
-            except BaseException:
-                writer.abort()
-                raise
+            shard = await self._stream_in(sid, info, priority, opened)
         except CachedError as exc:
             self.metrics.fetches.labels(tier, type(exc).__name__).inc()
             # A shard that failed must be looked up again next time (it may be fixed).
@@ -527,6 +526,37 @@ class Fetcher:
         if self.sources.promote_enabled(info):
             self._promote(shard, info)
         return shard
+
+    async def _stream_in(
+        self, sid: str, info: ObjectInfo, priority: int, opened: Opened | None
+    ) -> Shard:
+        """Reserve room and stream the shard into the hot tier. A write that finds the
+        disk full (ENOSPC: the room the tier saw was taken meanwhile) removes its partial
+        file, evicts by the policy, and the download starts over with a new GET, up to
+        :data:`DISK_FULL_ATTEMPTS` in all."""
+        for attempt in range(1, DISK_FULL_ATTEMPTS + 1):
+            writer = await self._reserve(sid, info, priority, opened)
+            try:
+                await self.sources.fetch(info, writer.write, rewind=writer.rewind, opened=opened)
+                return await writer.publish()
+            except OSError as exc:
+                writer.abort()
+                if exc.errno not in _DISK_FULL or attempt == DISK_FULL_ATTEMPTS:
+                    raise
+                self.metrics.fetches.labels(info.tier, "disk_full").inc()
+                evicted = self.hot.disk_full(writer.shard.reserved_bytes)
+                log.warning(
+                    "the disk holding the hot tier was full while %s was written (%s); "
+                    "evicted %d bytes, fetching it again",
+                    info.url,
+                    exc.strerror,
+                    evicted,
+                )
+                opened = None  # its body is spent
+            except BaseException:
+                writer.abort()
+                raise
+        raise AssertionError("unreachable")
 
     async def _reserve(
         self, sid: str, info: ObjectInfo, priority: int, opened: Opened | None

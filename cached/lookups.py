@@ -8,7 +8,7 @@ after that asks again, and a new version is fetched and served from then on. Rea
 An answer is a HEAD's (:meth:`Lookups.get`) or the headers of the GET that fetches the
 object (:meth:`Lookups.remember`, from the fetcher): a cold object costs no HEAD.
 
-While the store is unreachable (:class:`StoreUnavailable`) the hot tier's copy answers
+While the store is unreachable (:mod:`.store_health`) the hot tier's copy answers
 for itself, from its sidecar: a resident shard is served as it is, without a HEAD per
 open, and a URL the hot tier lacks fails at once rather than after another retry budget
 (readers and the prefetcher would otherwise queue HEADs behind a dead endpoint). A
@@ -156,8 +156,9 @@ class Lookups:
             self._answer_bytes -= known.info.size
 
     def unreachable(self, error: BaseException, url: str) -> None:
-        """A request for ``url`` found the store unreachable (HEAD or download)."""
-        if self.health.failed(error) and self._probe is None:
+        """A request for ``url`` (HEAD or download) gave up on transient failures: that
+        object's trouble, or with others' an outage (:meth:`StoreHealth.failed`)."""
+        if self.health.failed(error, url) and self._probe is None:
             self._probe = asyncio.get_running_loop().create_task(self._probing(url))
 
     async def _ask(self, url: str) -> ObjectInfo:
@@ -181,12 +182,14 @@ class Lookups:
         return info
 
     async def _probing(self, url: str) -> None:
-        """Ask the store about ``url`` every ``PROBE_S`` until it answers (any answer)."""
+        """Ask the store every ``PROBE_S`` until it answers (any answer): about the
+        object it last described, else ``url``. Not ``url`` first: an outage found by
+        failures of some objects would last as long as the worst of them does."""
         try:
             while not self.health.reachable:
                 await asyncio.sleep(PROBE_S)
                 with contextlib.suppress(CachedError):
-                    await self._ask(url)
+                    await self._ask(next(reversed(self._answers), url))
         finally:
             self._probe = None
 

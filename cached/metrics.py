@@ -98,6 +98,12 @@ class Metrics:
         self.hot_capacity_bytes = Gauge(
             "cached_hot_capacity_bytes", "Capacity of the hot tier", registry=r
         )
+        self.hot_capacity_effective_bytes = Gauge(
+            "cached_hot_capacity_effective_bytes",
+            "The bound the hot tier keeps now: its capacity, or less where the disk has less "
+            "room (the tier's bytes and the free space, less [cache] min_free)",
+            registry=r,
+        )
         self.hot_shards = Gauge("cached_hot_shards", "Shards resident in the hot tier", registry=r)
         self.pinned_shards = Gauge(
             "cached_pinned_shards", "Shards held by readers (not evictable)", registry=r
@@ -133,7 +139,8 @@ class Metrics:
         self.corrupt_shards = Counter(
             "cached_corrupt_shards_total",
             "Shards found corrupt in the hot tier and dropped (found: read, when a read's "
-            "members failed their checksums; check, when a reloaded shard was read back)",
+            "members failed their checksums; io, when a read failed: EIO, a short file; "
+            "check, when a reloaded shard was read back)",
             ["found"],
             registry=r,
         )

@@ -197,10 +197,19 @@ class Planner:
             self._changed()
         return lapsed
 
+    def drop(self, keys: list[str]) -> list[Plan]:
+        """Unpublish the plans under ``keys`` (their reader went away) and return them; their
+        index entries go with :meth:`unindexing`."""
+        dropped = [plan for key in keys if (plan := self._plans.pop(key, None)) is not None]
+        if dropped:
+            self._changed()
+        return dropped
+
     def unindexing(self, plans: list[Plan], step: int = INDEX_STEP) -> Iterator[None]:
-        """Remove dropped ``plans``' index entries, yielding every ``step`` URLs."""
+        """Remove dropped ``plans``' index entries, yielding every ``step`` URLs; those of a
+        plan published under the same key since (its reader's, sent again) stay."""
         for plan in plans:
-            yield from self._unindex(plan, step)
+            yield from self._unindex(plan, step, keep=self._plans.get(plan.key))
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` after every change (the prefetcher's wake-up); cursor moves

@@ -41,12 +41,13 @@ from cached_client.urls import check_all, parse
 
 from . import __version__, socketmode
 from .access import DEFAULT_ALLOW, Access
+from .bounds import Bounds
 from .errors import CachedError, OutOfRange, ProtocolError, VersionMismatch
 from .fetcher import AHEAD, DEMAND, PREFETCH, Fetcher, shard_id
 from .jobs import JobBoard, Report
 from .metrics import Metrics
+from .peers import Peer, Peers
 from .planner import Plan, Planner, prepare
-from .quota import PerClient
 from .tiers.hot import HotTier, Shard, ShardCorrupt
 from .tiers.index import Member, Sample, ShardIndex
 
@@ -58,7 +59,16 @@ PLAN_OFFLOAD_URLS = 10_000
 DECODE_OFFLOAD_BYTES = 1 << 20
 
 # Requests handled at once; past it the server stops reading and ZeroMQ queues push back.
+# A request's slot is held while it is handled, not while its reply waits for the client.
 MAX_ACTIVE_REQUESTS = 1024
+# Replies ZeroMQ queues for one client (SNDHWM, per connection): a reader has some 20
+# requests in flight; what its queue cannot take waits in the server (Peer.backlog, bounded
+# by [server] max_requests_per_client and reply_timeout_s), as memoryviews of the shard
+# files, where ZeroMQ would hold copies of the frames below COPY_THRESHOLD_BYTES.
+SNDHWM = 16
+# The request loop counts as stuck when requests wait to be taken and none was taken or
+# finished for this long: /readyz says not ready and the systemd watchdog is not fed.
+STUCK_AFTER_S = 30.0
 # Frames below this are copied into ZeroMQ, larger ones sent zero-copy from the mmap.
 # Zero-copy costs a reference hand-off through pyzmq's garbage-collector thread per frame
 # (29% of the daemon's CPU at 100 KB frames); a copy of 1 MiB costs less (docs/decisions.md).
@@ -75,6 +85,10 @@ T = TypeVar("T")
 # shard's samples, which may ask to be answered only if the shard is resident (D33).
 # "packed": a local read's layout as one binary frame (D34).
 FEATURES = ("release", "whole", "packed")
+# Messages the request loop takes in a row before it lets the rest of the event loop run.
+YIELD_EVERY = 64
+# A report is a few hundred bytes; a larger request is not one.
+MAX_REPORT_BYTES = 4096
 # URLs one request may release (a reader holds a few pins at a time).
 MAX_RELEASED = 64
 # A reply the client's queue cannot take yet (its high-water mark) is tried again after
@@ -87,24 +101,32 @@ ACTIVE_S = 10.0
 
 class Leases:
     """Which stream holds which shard. A held shard is pinned; a lease lapses after a timeout
-    without requests, so a killed client cannot pin shards forever."""
+    without requests, so a killed client cannot pin shards forever, and goes at once with
+    the connection that took it (:meth:`release_client`)."""
 
-    def __init__(self, hot: HotTier, timeout_s: float, per_client: int = 4096) -> None:
+    def __init__(self, hot: HotTier, timeout_s: float, bounds: Bounds | None = None) -> None:
         self.hot = hot
         self.timeout_s = timeout_s
-        self._held: dict[tuple[str, str], tuple[Shard, float]] = {}
+        # (stream, shard id) -> the shard, when the lease lapses, the connection holding it
+        self._held: dict[tuple[str, str], tuple[Shard, float, bytes]] = {}
         self._active: dict[str, float] = {}  # stream -> when it last held a shard
-        self.quota = PerClient("pinned shards", per_client, "[server] max_leases_per_client")
+        bounds = bounds or Bounds()
+        self.quota, self.pinned = bounds.lease_quotas(hot.capacity_bytes)
 
-    def hold(self, stream: str, shard: Shard, client: bytes = b"") -> None:
+    def hold(self, stream: str, shard: Shard, client: bytes = b"", user: str = "") -> None:
         """Pin ``shard`` for ``stream`` (once per pair) and refresh the lease. Raises
-        :class:`LimitExceeded` when ``client`` already holds its most leases."""
+        :class:`LimitExceeded` when ``client`` (or its ``user``, or everyone) already holds
+        the most leases, or pinned bytes, allowed."""
         key = (stream, shard.shard_id)
-        if key not in self._held:
-            self.quota.admit(client, key)
-            self.hot.pin(shard)
+        held = self._held.get(key)
+        if held is None or held[2] != client:  # new, or the stream's new connection
+            self.quota.check(client, key, 1, user)
+            self.pinned.admit(client, key, shard.reserved_bytes, user)
+            self.quota.admit(client, key, 1, user)
+            if held is None:
+                self.hot.pin(shard)
         now = time.monotonic()
-        self._held[key] = (shard, now + self.timeout_s)
+        self._held[key] = (shard, now + self.timeout_s, client)
         self._active[stream] = now
 
     def release(self, stream: str, shard_id: str) -> None:
@@ -112,12 +134,21 @@ class Leases:
         held = self._held.pop((stream, shard_id), None)
         if held is not None:
             self.quota.forget((stream, shard_id))
+            self.pinned.forget((stream, shard_id))
             self.hot.unpin(held[0])
+
+    def release_client(self, client: bytes) -> int:
+        """Drop every lease ``client`` (a connection that went away) holds; returns how many."""
+        keys = self.quota.keys_of(client)
+        for key in keys:
+            stream, shard_id = cast(tuple[str, str], key)
+            self.release(stream, shard_id)
+        return len(keys)
 
     def expire(self) -> int:
         """Release lapsed leases; returns how many."""
         now = time.monotonic()
-        lapsed = [key for key, (_, until) in self._held.items() if until < now]
+        lapsed = [key for key, (_, until, _) in self._held.items() if until < now]
         for stream, sid in lapsed:
             self.release(stream, sid)
         return len(lapsed)
@@ -203,8 +234,8 @@ class Server:
         lease_timeout_s: float = 120.0,
         max_read_samples: int = 4096,
         max_plan_shards: int = 1_000_000,
-        max_plans_per_client: int = 64,
-        max_leases_per_client: int = 4096,
+        bounds: Bounds | None = None,
+        plan_grace_s: float = 30.0,
         status: Callable[[], dict[str, Any]] | None = None,
         planner: Planner | None = None,
         socket_mode: str = "0660",
@@ -222,17 +253,33 @@ class Server:
         self.fetcher = fetcher
         self.hot = hot
         self.metrics = metrics
-        self.leases = Leases(hot, lease_timeout_s, max_leases_per_client)
+        self.bounds = bounds = bounds or Bounds()
+        self.leases = Leases(hot, lease_timeout_s, bounds)
         self.planner = planner if planner is not None else Planner(lease_timeout_s)
         self.max_plan_shards = max_plan_shards
         self.jobs = jobs if jobs is not None else JobBoard(metrics)
-        self.plan_quota = PerClient("plans", max_plans_per_client, "[server] max_plans_per_client")
+        self.plan_quota, self.plan_urls = bounds.plan_quotas()
+        # A gone connection's plans stay this long ([prefetch] plan_grace_s), see _release_held.
+        self.plan_grace_s = plan_grace_s
+        self._graces: set[asyncio.TimerHandle] = set()
         self._plans_lock = asyncio.Lock()
         # Request tasks that are opens ahead (hints, not demands): see drain.
         self._hints: set[asyncio.Task[Any]] = set()
+        # Request tasks installing a plan: not cancelled when their client goes (_gone).
+        self._installs: set[asyncio.Task[Any]] = set()
         # The planner's deferred notice of cursor moves (see _advance).
         self._flush: asyncio.TimerHandle | None = None
-        metrics.requests_in_flight.set_function(lambda: len(self._tasks))
+        # Replies waiting in the peers' backlogs, and the tasks that send them.
+        self._queued = 0
+        self._flushers: set[asyncio.Task[None]] = set()
+        # Work for peers that went away (their plans dropped under the plans lock).
+        self._chores: set[asyncio.Task[None]] = set()
+        metrics.requests_in_flight.set_function(lambda: len(self._tasks) + self._queued)
+        self.peers: Peers | None = None
+        # Since when the request loop waits for a slot for the request it took, if it does,
+        # and when a request last finished (see stuck_s).
+        self._blocked_at: float | None = None
+        self._finished_at = time.monotonic()
         self.max_read_samples = max_read_samples
         self._status = status or (lambda: {})
         self._ctx = zmq.Context()
@@ -265,17 +312,24 @@ class Server:
                 )
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        # A larger frame drops its connection as its size arrives, before it is buffered.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.bounds.max_request_bytes)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
         # Replies to a vanished client fail loudly instead of queueing or dropping silently.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.copy_threshold = COPY_THRESHOLD_BYTES
+        # Before bind: no connection may come unseen (see cached/peers.py).
+        self.peers = Peers(sock, self._gone)
         try:
             sock.bind(self.endpoint)
         except zmq.ZMQError as exc:
+            self.peers.close()
             sock.close()
             raise CachedError(f"cannot bind {self.endpoint}: {exc}") from exc
         try:
             self._set_socket_access(gid)
         except CachedError:
+            self.peers.close()
             sock.close(linger=0)
             raise
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -316,6 +370,7 @@ class Server:
         # be gone too. Answered at once, so that a stop after a load is not a 5 s stop.
         for task in self._hints:
             task.cancel()
+        started = time.monotonic()
         _, late = await asyncio.wait(set(self._tasks), timeout=timeout_s)
         for task in late:
             task.cancel()
@@ -326,17 +381,39 @@ class Server:
             _, stuck = await asyncio.wait(late, timeout=timeout_s)
             for task in stuck:
                 task.cancel()
+        # Replies that wait for a slow client get what is left of the drain time.
+        left = timeout_s - (time.monotonic() - started)
+        if self._flushers and left > 0:
+            await asyncio.wait(set(self._flushers), timeout=left)
 
     async def __aexit__(self, *exc: object) -> None:
         if self._flush is not None:
             self._flush.cancel()
-        for task in list(self._tasks):
+        for handle in self._graces:
+            handle.cancel()
+        for task in [*self._tasks, *self._flushers, *self._chores]:
             task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks or self._flushers or self._chores:
+            await asyncio.gather(
+                *self._tasks, *self._flushers, *self._chores, return_exceptions=True
+            )
+        if self.peers is not None:
+            self.peers.close()
         if self._sock is not None:
             self._sock.close(linger=0)
         self._ctx.term()
+
+    def stuck_s(self) -> float:
+        """How long a request has waited for a slot (every one held) while no request
+        finished: 0 while the request loop takes what comes. See STUCK_AFTER_S."""
+        if self._blocked_at is None:
+            return 0.0
+        return max(0.0, time.monotonic() - max(self._blocked_at, self._finished_at))
+
+    @property
+    def stuck(self) -> bool:
+        """Whether the request loop is stuck (:meth:`stuck_s` past STUCK_AFTER_S)."""
+        return self.stuck_s() > STUCK_AFTER_S
 
     async def serve(self) -> None:
         """Receive requests until cancelled; each runs in its own task. The descriptor
@@ -344,42 +421,233 @@ class Server:
         and ``_send`` looks again after each reply (a send may take the signal)."""
         sock = self._sock
         assert sock is not None, "use `async with Server(...)` first"
+        peers = self.peers
+        assert sock is not None and peers is not None, "use `async with Server(...)` first"
         fd = cast(int, sock.getsockopt(zmq.FD))
         loop = asyncio.get_running_loop()
         loop.add_reader(fd, self._readable.set)
+        loop.add_reader(peers.fd, peers.events)
+        known = peers.by_ident
+        most = self.bounds.max_requests_per_client
+        taken = 0
         try:
             while True:
+                # A client that floods requests (each refused at once, past its bound)
+                # would keep this loop from ever awaiting: everything else on the event
+                # loop (the handlers, /healthz) gets a turn every YIELD_EVERY messages.
+                taken += 1
+                if taken >= YIELD_EVERY:
+                    taken = 0
+                    await asyncio.sleep(0)
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                    ident = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
+                    taken = 0
                     self._readable.clear()
                     if not _waiting(sock):
                         await self._readable.wait()
                     continue
-                await self._active.acquire()
-                task = asyncio.create_task(self._handle(frames))
+                # The rest of a message is there with its first frame: no wait.
+                peer = known.get(ident)
+                if peer is None:  # a new connection: who it is, once (cached/peers.py)
+                    first = sock.recv(copy=False)
+                    peer = peers.identify(ident, first)
+                    header = first.bytes
+                else:
+                    header = sock.recv()
+                # Requests are one frame (protocol v1): more are not kept.
+                while sock.getsockopt(zmq.RCVMORE):
+                    sock.recv(copy=False)
+                if peer is None:  # a message a closed connection left queued
+                    self._last_word(header)
+                    continue
+                if peer.requests >= most:
+                    self._refuse(peer, header)
+                    continue
+                if self._active.locked():
+                    self._blocked_at = time.monotonic()
+                    await self._active.acquire()
+                    self._blocked_at = None
+                else:
+                    await self._active.acquire()  # at once
+                if peer.gone:  # it went while the request waited for a slot
+                    self._active.release()
+                    self._last_word(header)
+                    continue
+                peer.requests += 1
+                task = asyncio.create_task(self._handle(peer, header))
                 self._tasks.add(task)
-                task.add_done_callback(self._done)
+                peer.tasks.add(task)
+                task.add_done_callback(functools.partial(self._done, peer))
         finally:
             loop.remove_reader(fd)
+            loop.remove_reader(peers.fd)
 
-    async def _send(self, frames: list[Any]) -> None:
-        """Send a reply without blocking; one the client's queue cannot take yet is tried
-        again a moment later. Raises ``zmq.ZMQError`` for a client that went away."""
+    def _last_word(self, header: bytes) -> None:
+        """A request whose connection went before it was handled: dropped with what the
+        connection held, except a job's report. A training process sends its last one
+        without waiting as it exits, and its wait and batches still count."""
+        if len(header) > MAX_REPORT_BYTES or b'"report"' not in header:
+            return
+        try:
+            request = decode(header, max_depth=MAX_REQUEST_DEPTH)
+            if request.get("op") == Op.REPORT:
+                self.jobs.report(Report.parse(request))
+        except (CachedError, WireProtocolError, ValueError):
+            return  # a bad request from a client that is gone: no one to answer
+
+    def _refuse(self, peer: Peer, header: bytes) -> None:
+        """A request from a client at [server] max_requests_per_client: answered
+        ``limit_exceeded`` where its queue takes the reply at once, else dropped."""
+        self.metrics.requests.labels("unknown", "limit_exceeded").inc()
+        if peer.backlog:
+            return  # its queue is full: the answer could only wait, and it is over its bound
+        try:
+            request_id = decode(header).get("id") if len(header) <= DECODE_OFFLOAD_BYTES else None
+        except (WireProtocolError, ValueError):
+            request_id = None
+        message = (
+            f"this client has {peer.requests} requests in flight or replies not taken, the "
+            f"most one client may have ([server] max_requests_per_client = "
+            f"{self.bounds.max_requests_per_client}); take the replies before sending more"
+        )
+        reply = error(request_id if isinstance(request_id, int) else None, ErrorCode.LIMIT, message)
+        self._try_send(peer, [peer.ident, encode(reply)])
+
+    def _deliver(self, peer: Peer, frames: list[Any]) -> None:
+        """Send a reply without blocking; one the client's queue cannot take yet waits in
+        the peer's backlog (see :meth:`_flush_replies`). Takes the reply off ``peer.requests``
+        once it is sent or dropped."""
+        if peer.gone:
+            peer.requests -= 1
+            return
+        if not peer.backlog and self._try_send(peer, frames):
+            peer.requests -= 1
+            return
+        if peer.gone:  # the send found it gone
+            peer.requests -= 1
+            return
+        peer.backlog.append((frames, time.monotonic() + self.bounds.reply_timeout_s))
+        self._queued += 1
+        if peer.flusher is None:
+            peer.flusher = asyncio.create_task(self._flush_replies(peer))
+            self._flushers.add(peer.flusher)
+            peer.flusher.add_done_callback(self._flushers.discard)
+
+    def _try_send(self, peer: Peer, frames: list[Any]) -> bool:
+        """One send without blocking: True if ZeroMQ took it. A peer that the socket no
+        longer knows (EHOSTUNREACH) is gone."""
         sock = self._sock
         assert sock is not None
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            # The client went away: nothing to deliver, nothing to keep.
+            log.debug("reply to a vanished client dropped: %s", exc)
+            if self.peers is not None:
+                self.peers.drop(peer)
+            return False
+        finally:
+            # A send may take the descriptor's signal of a request waiting.
+            if _waiting(sock):
+                self._readable.set()
+
+    async def _flush_replies(self, peer: Peer) -> None:
+        """Send ``peer``'s waiting replies as its queue takes them, tried again a moment
+        later each time it does not; a reply still waiting after [server] reply_timeout_s
+        is dropped."""
         delay, most = SEND_RETRY_S
-        while True:
-            try:
-                sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                pass
-            finally:
-                if _waiting(sock):
-                    self._readable.set()
-            await asyncio.sleep(delay)
-            delay = min(most, delay * 2)
+        try:
+            while peer.backlog and not peer.gone:
+                await asyncio.sleep(delay)
+                delay = min(most, delay * 2)
+                now = time.monotonic()
+                dropped = 0
+                while peer.backlog and not peer.gone:
+                    frames, deadline = peer.backlog[0]
+                    if deadline < now:
+                        dropped += 1
+                    elif self._try_send(peer, frames):
+                        delay = SEND_RETRY_S[0]
+                    else:
+                        break
+                    peer.backlog.popleft()
+                    peer.requests -= 1
+                    self._queued -= 1
+                if dropped:
+                    self.metrics.requests.labels("unknown", "reply_timeout").inc(dropped)
+                    if not peer.warned:
+                        peer.warned = True
+                        log.warning(
+                            "a client (%s) did not take its replies for %.0f s ([server] "
+                            "reply_timeout_s): dropped them, and drop each that waits as long",
+                            peer.describe(),
+                            self.bounds.reply_timeout_s,
+                        )
+        finally:
+            peer.flusher = None
+
+    def _gone(self, peer: Peer) -> None:
+        """A connection went away: its requests, replies, leases and plans go with it."""
+        for task in peer.tasks:
+            if task not in self._installs:  # a plan half installed is finished, then dropped
+                task.cancel()
+        self._queued -= len(peer.backlog)
+        peer.requests -= len(peer.backlog)
+        peer.backlog.clear()
+        if peer.flusher is not None:
+            peer.flusher.cancel()
+        self._release_held(peer)
+
+    def _release_held(self, peer: Peer) -> None:
+        """Drop what ``peer``, gone, still holds: again when its last request ends (one
+        under way when it went may have taken a lease or installed a plan since)."""
+        released = self.leases.release_client(peer.ident)
+        if released:
+            log.info(
+                "released %d leases of a client that went away (%s)", released, peer.describe()
+            )
+        # Its plans go a little later ([prefetch] plan_grace_s): a DataLoader worker that
+        # ends with its epoch leaves the next epoch's plan, which the prefetcher follows
+        # until the next workers announce theirs.
+        if self.plan_grace_s > 0:
+            handle: asyncio.TimerHandle | None = None
+
+            def later() -> None:
+                assert handle is not None
+                self._graces.discard(handle)
+                self._drop_plans(peer)
+
+            handle = asyncio.get_running_loop().call_later(self.plan_grace_s, later)
+            self._graces.add(handle)
+        else:
+            self._drop_plans(peer)
+
+    def _drop_plans(self, peer: Peer) -> None:
+        """Drop the plans of ``peer``, gone. Only its own: one its reader has sent again on
+        a new connection (a reconnect) belongs to that connection now, and stays."""
+        keys = [cast(str, key) for key in self.plan_quota.keys_of(peer.ident)]
+        if not keys:
+            return
+        dropped = self.planner.drop(keys)
+        for key in keys:
+            self.plan_quota.forget(key)
+            self.plan_urls.forget(key)
+        if dropped:
+            log.info(
+                "dropped %d plans of a client that went away (%s)", len(dropped), peer.describe()
+            )
+            chore = asyncio.create_task(self._unindex(dropped))
+            self._chores.add(chore)
+            chore.add_done_callback(self._chores.discard)
+
+    async def _unindex(self, dropped: list[Plan]) -> None:
+        async with self._plans_lock:  # one install or expiry at a time
+            for _ in self.planner.unindexing(dropped):
+                await asyncio.sleep(0)
 
     async def expire_leases(self) -> None:
         """Release lapsed leases and drop quiet plans periodically, until cancelled."""
@@ -393,36 +661,44 @@ class Server:
                     await asyncio.sleep(0)
             if dropped:
                 log.info("dropped the plans of streams that went quiet")
-                self.plan_quota.retain({plan.key for plan in self.planner.plans()})
+                live: set[Any] = {plan.key for plan in self.planner.plans()}
+                self.plan_quota.retain(live)
+                self.plan_urls.retain(live)
             self.metrics.streams.set(self.leases.streams())
 
-    def _done(self, task: asyncio.Task[None]) -> None:
+    def _done(self, peer: Peer, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         self._hints.discard(task)
+        self._installs.discard(task)
         self._active.release()
+        self._finished_at = time.monotonic()
+        peer.tasks.discard(task)
+        if peer.gone and not peer.tasks:
+            self._release_held(peer)
 
-    async def _handle(self, frames: list[bytes]) -> None:
-        ident, body = frames[0], frames[1:]
+    async def _handle(self, peer: Peer, body: bytes) -> None:
         request_id: Any = None
         op = "?"
         payload: list[Any] = []
         cancelled = False
         try:
-            if not body:
-                raise ProtocolError("empty message: expected a header frame")
             # A plan of a million URLs is a 40 MB header: parsed off the event loop.
-            if len(body[0]) > DECODE_OFFLOAD_BYTES:
-                header = await asyncio.to_thread(decode, body[0], max_depth=MAX_REQUEST_DEPTH)
+            if len(body) > DECODE_OFFLOAD_BYTES:
+                header = await asyncio.to_thread(decode, body, max_depth=MAX_REQUEST_DEPTH)
             else:
-                header = decode(body[0], max_depth=MAX_REQUEST_DEPTH)
+                header = decode(body, max_depth=MAX_REQUEST_DEPTH)
             request_id = _request_id(header)
             op = _op(header)
             if header.get("ahead"):
                 task = asyncio.current_task()
                 if task is not None:  # a hint: not worth a wait at shutdown (see drain)
                     self._hints.add(task)
+            elif op == Op.PLAN:
+                task = asyncio.current_task()
+                if task is not None:
+                    self._installs.add(task)
             await self._check_access(op, header)
-            reply, payload = await self._dispatch(op, header, ident)
+            reply, payload = await self._dispatch(op, header, peer)
             reply["id"] = request_id
             reply["ok"] = True
             result = "ok"
@@ -445,11 +721,7 @@ class Server:
         if op not in Op.__members__.values():
             op = "unknown"
         self.metrics.requests.labels(op, result).inc()
-        try:
-            await self._send([ident, _encode(reply), *payload])
-        except zmq.ZMQError as exc:
-            # The client went away (EHOSTUNREACH): nothing to deliver, nothing to keep.
-            log.debug("reply to a vanished client dropped: %s", exc)
+        self._deliver(peer, [peer.ident, _encode(reply), *payload])
         if cancelled:
             raise asyncio.CancelledError
 
@@ -469,10 +741,8 @@ class Server:
             if op == Op.PLAN or not self.access.settled(urls):
                 await self.access.check(urls, remember=op != Op.PLAN)
 
-    async def _dispatch(
-        self, op: str, header: Header, client: bytes = b""
-    ) -> tuple[Header, list[Any]]:
-        """Run one request; ``client`` is the connection's routing id (for the caps)."""
+    async def _dispatch(self, op: str, header: Header, client: Peer) -> tuple[Header, list[Any]]:
+        """Run one request; ``client`` is the connection (for the caps)."""
         if op in (Op.OPEN, Op.READ) and "release" in header:
             # First: the pins given back make room for the shard this request may fetch.
             await self._release(_released(header), _str(header, "stream"))
@@ -488,6 +758,10 @@ class Server:
                 "server": f"cached/{__version__}",
                 "instance": self.instance,
                 "features": list(FEATURES),
+                "limits": {
+                    "max_request_bytes": self.bounds.max_request_bytes,
+                    "max_requests_per_client": self.bounds.max_requests_per_client,
+                },
             }, []
         if op == Op.OPEN:
             return await self._open(header, client), []
@@ -513,9 +787,7 @@ class Server:
             info = await self.fetcher.info(url)
             self.leases.release(stream, shard_id(info))
 
-    async def _shard(
-        self, header: Header, client: bytes, *, count: bool
-    ) -> tuple[Shard, str, bool]:
+    async def _shard(self, header: Header, client: Peer, *, count: bool) -> tuple[Shard, str, bool]:
         """The shard a request names, fetched on a miss, the stream's lease on it, and
         whether it was resident when the request came (a hit). Opens count as hits or
         misses; reads (which follow an open) do not."""
@@ -533,10 +805,10 @@ class Server:
             if kind == "demand":
                 self.metrics.demand_wait_seconds.observe(time.monotonic() - started)
         if header.get("pin", True):
-            self.leases.hold(stream, shard, client)
+            self.leases.hold(stream, shard, client.ident, client.user)
         return shard, stream, hit
 
-    async def _plan(self, header: Header, client: bytes) -> None:
+    async def _plan(self, header: Header, client: Peer) -> None:
         key = _str(header, "plan")
         urls = header.get("urls")
         if not isinstance(urls, list):
@@ -551,7 +823,10 @@ class Server:
             plan = await asyncio.to_thread(_checked_plan, key, urls, cursor, job)
         else:
             plan = _checked_plan(key, urls, cursor, job)
-        self.plan_quota.admit(client, key)
+        ident, user = client.ident, client.user
+        self.plan_quota.check(ident, key, 1, user)
+        self.plan_urls.admit(ident, key, len(plan.urls), user)
+        self.plan_quota.admit(ident, key, 1, user)
         async with self._plans_lock:  # one install or expiry at a time
             for _ in self.planner.install(plan):
                 await asyncio.sleep(0)
@@ -569,7 +844,7 @@ class Server:
         self._flush = None
         self.planner.flush()
 
-    async def _open(self, header: Header, client: bytes) -> Header:
+    async def _open(self, header: Header, client: Peer) -> Header:
         shard, _, hit = await self._shard(header, client, count=True)
         assert shard.index is not None
         return {
@@ -599,7 +874,7 @@ class Server:
             bool(shard.pins) or hot.pinned_total + shard.reserved_bytes <= hot.capacity_bytes // 2
         )
 
-    async def _read(self, header: Header, client: bytes) -> tuple[Header, list[Any]]:
+    async def _read(self, header: Header, client: Peer) -> tuple[Header, list[Any]]:
         start = _int(header, "start")
         # A whole read (D33) stands for an open and the read of every sample: it is
         # counted and revalidated as an open, and the daemon's index says how many.

@@ -1,9 +1,13 @@
 """Whether the remote store answers: the daemon's view, for the log, ``/status`` and the
 fetcher's choice to serve resident shards without asking the store.
 
-An outage starts when a request to the store gives up on transient failures (connections
-refused or reset, timeouts, 5xx after the retry budget: :class:`StoreUnavailable`) and
-ends with the next answer of any kind, a 404 included. Each start and end is logged once.
+A request that gives up on transient failures (:class:`StoreUnavailable`: 5xx, resets,
+timeouts after the retry budget) may be about its object alone: one key that answers 500,
+or whose connection is reset, every time. That fails reads of that object only. An outage
+starts on evidence about the endpoint: a request that could not connect at all, one tied
+to no object, or requests for ``OUTAGE_OBJECTS`` different objects giving up with no
+answer from the store in between. It ends with the next answer of any kind, a 404
+included. Each start and end is logged once.
 """
 
 from __future__ import annotations
@@ -13,6 +17,11 @@ import time
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+# Requests for this many different objects giving up in a row (no answer in between) make
+# an outage; fewer are those objects' own trouble. Above 2: two bad keys read at once by a
+# prefetcher must not stop the fetches of every healthy one.
+OUTAGE_OBJECTS = 3
 
 
 class StoreHealth:
@@ -24,25 +33,40 @@ class StoreHealth:
         self.last_error: str | None = None
         self._down_at = 0.0  # monotonic start of the outage
         self.offline_opens = 0  # opens answered from the hot tier during this outage
+        # The objects whose requests gave up since the store last answered.
+        self._failing: dict[str, None] = {}
 
-    def failed(self, error: BaseException) -> bool:
-        """The store did not answer; True if this starts an outage."""
-        self.last_error = str(error)
+    def failed(self, error: BaseException, url: str | None = None) -> bool:
+        """A request about ``url`` (None: about no object) gave up on transient failures;
+        True if this starts an outage (see the module's docstring for when it does)."""
         if not self.reachable:
+            self.last_error = str(error)
             return False
+        if url is not None and not getattr(error, "no_connection", False):
+            self._failing[url] = None
+            if len(self._failing) < OUTAGE_OBJECTS:
+                return False
+            evidence = f"requests for {len(self._failing)} different objects gave up"
+        else:
+            evidence = "no connection to the endpoint" if url is not None else "a request gave up"
+        self._failing.clear()
+        self.last_error = str(error)
         self.reachable = False
         self.since = time.time()
         self._down_at = time.monotonic()
         self.offline_opens = 0
         log.warning(
-            "the object store is unreachable: %s. Serving the shards the hot tier holds, as "
-            "they are, until it answers again; shards it lacks cannot be fetched",
+            "the object store is unreachable: %s (%s). Serving the shards the hot tier "
+            "holds, as they are, until it answers again; shards it lacks cannot be fetched",
             error,
+            evidence,
         )
         return True
 
     def answered(self) -> None:
-        """The store answered a request; ends an outage."""
+        """The store answered a request; ends an outage, and clears the failures of
+        single objects counted towards one."""
+        self._failing.clear()
         if self.reachable:
             return
         self.reachable = True

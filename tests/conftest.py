@@ -1,4 +1,11 @@
-"""Shared fixtures: a real S3-compatible server (moto) on loopback, port 0."""
+"""Shared fixtures: real S3-compatible servers on loopback (moto, and Ceph's RGW).
+
+``s3_server`` is moto's server, except in tests marked ``stores`` (the S3-facing ones):
+there it is parametrized over the stores ``CACHED_TEST_STORE`` picks, ids ``moto`` and
+``rgw``: ``moto``, ``rgw`` or ``both`` (the default; the rgw half skips, with the reason,
+where a Ceph cluster cannot start). ``bucket`` and ``proxy`` follow ``s3_server``, so the
+fault proxy sits in front of either store. One server of each kind per session.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +14,36 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests import rgw
 from tests.daemon import isolate_env
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server
+
+STORES = ("moto", "rgw")
+STORE_ENV = "CACHED_TEST_STORE"
+
+
+def _chosen_stores() -> tuple[str, ...]:
+    value = os.environ.get(STORE_ENV, "both")
+    if value == "both":
+        return STORES
+    if value not in STORES:
+        raise pytest.UsageError(f"{STORE_ENV}={value!r}: expected moto, rgw or both")
+    return (value,)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Asked for RGW alone and it cannot start: fail now, not skip every test quietly.
+    if _chosen_stores() == ("rgw",) and (why := rgw.unavailable()):
+        raise pytest.UsageError(f"{STORE_ENV}=rgw, but {why}")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.definition.get_closest_marker("stores") and "s3_server" in metafunc.fixturenames:
+        # Module scope: a module's tests run on one store, then on the next, so that its
+        # module-scoped fixtures (daemons, datasets) are made once per store.
+        stores = _chosen_stores()
+        metafunc.parametrize("s3_server", stores, ids=stores, indirect=True, scope="module")
 
 
 @pytest.fixture(autouse=True)
@@ -19,13 +53,35 @@ def _clean_aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="session")
-def s3_server() -> Iterator[S3Server]:
+def moto_server() -> Iterator[S3Server]:
     """One moto S3 server for the session; tests use their own buckets.
 
     ``CACHED_TEST_S3_ENDPOINT`` points the tests at another endpoint (e.g. MinIO).
     """
     with S3Server.start(os.environ.get("CACHED_TEST_S3_ENDPOINT")) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def rgw_server() -> Iterator[S3Server]:
+    """One Ceph cluster with radosgw for the session (tests/rgw.py), 2-3 s to start."""
+    if "rgw" not in _chosen_stores():
+        pytest.skip(f"{STORE_ENV}=moto")
+    why = rgw.unavailable()
+    if why:
+        if _chosen_stores() == ("rgw",):
+            pytest.fail(f"{STORE_ENV}=rgw, but {why}")
+        pytest.skip(why)
+    with S3Server.start_rgw() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_server(request: pytest.FixtureRequest) -> S3Server:
+    """The store a test runs against: moto, or in tests marked ``stores`` each chosen one."""
+    kind = getattr(request, "param", "moto")
+    server: S3Server = request.getfixturevalue(f"{kind}_server")
+    return server
 
 
 @pytest.fixture

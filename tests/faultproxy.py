@@ -14,7 +14,12 @@ fault is queued. Faults apply to the next matching requests, in the order queued
   mid-body);
 - ``delay``: wait ``delay_s`` before the response headers (a read timeout up front);
 - ``corrupt``: flip the byte at ``offset`` of the body (same length);
-- ``truncate``: drop the last ``drop_bytes`` of the body, with an honest Content-Length.
+- ``truncate``: drop the last ``drop_bytes`` of the body, with an honest Content-Length;
+- ``reset``: reset the connection as soon as the request arrives, before any answer.
+
+A fault for one object only: ``path=`` its key, ``method=None`` (its HEADs too) and a large
+``times`` (every request for it fails). :meth:`FaultProxy.refuse` takes the whole endpoint
+down (connections refused, open ones reset) until :meth:`FaultProxy.accept`.
 
 ``rate_bps`` shapes the link: response bodies share that many bytes per second, in
 64 KiB chunks served first come first served (a slow remote store, like ``tc tbf``).
@@ -54,7 +59,7 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _CHUNK = 64 << 10
-_KINDS = ("slowdown", "error", "cut", "stall", "delay", "corrupt", "truncate")
+_KINDS = ("slowdown", "error", "cut", "stall", "delay", "corrupt", "truncate", "reset")
 _CODES = {500: "InternalError", 403: "AccessDenied", 404: "NoSuchKey", 412: "PreconditionFailed"}
 _S3_ERROR = (
     '<?xml version="1.0" encoding="UTF-8"?>\n'
@@ -108,6 +113,9 @@ class FaultProxy:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
+        self._site: web.SockSite | None = None
+        self._port = 0
+        self.refusing = False
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
@@ -161,6 +169,17 @@ class FaultProxy:
         with self._lock:
             self._faults.append(fault)
 
+    def refuse(self) -> None:
+        """The endpoint goes down: new connections are refused (nothing listens on the
+        port), and requests on connections already open are reset."""
+        self.refusing = True
+        asyncio.run_coroutine_threadsafe(self._stop_listening(), self._loop).result(10)
+
+    def accept(self) -> None:
+        """The endpoint is back, on the same address."""
+        asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(10)
+        self.refusing = False
+
     def clear(self) -> None:
         """Drop every queued fault."""
         with self._lock:
@@ -198,11 +217,22 @@ class FaultProxy:
             app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
         )
         await self._runner.setup()
+        await self._listen()
+        self.endpoint_url = f"http://127.0.0.1:{self._port}"
+
+    async def _listen(self) -> None:
+        assert self._runner is not None
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        await web.SockSite(self._runner, sock).start()
-        self.endpoint_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        sock.bind(("127.0.0.1", self._port))
+        self._port = sock.getsockname()[1]
+        self._site = web.SockSite(self._runner, sock)
+        await self._site.start()
+
+    async def _stop_listening(self) -> None:
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
 
     async def _shutdown(self) -> None:
         if self._runner is not None:
@@ -221,6 +251,9 @@ class FaultProxy:
                 self.in_flight -= 1
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
+        if self.refusing:
+            _drop(request, hard=True)
+            return web.Response(status=500)  # never sent: the connection is gone
         fault = self._take(request.method, request.path)
         with self._lock:
             self.seen.append(
@@ -232,6 +265,9 @@ class FaultProxy:
                     fault.kind if fault else None,
                 )
             )
+        if fault is not None and fault.kind == "reset":
+            _drop(request, hard=True)
+            return web.Response(status=500)  # never sent: the connection is gone
         if fault is not None and fault.kind == "slowdown":
             return _s3_error(503, "SlowDown", "Please reduce your request rate.")
         if fault is not None and fault.kind == "error":

@@ -171,6 +171,7 @@ def _old_sidecar(path: Path) -> None:
     path.write_bytes(head + b"\n" + car.index.without_checksums().to_bytes())
 
 
+@pytest.mark.stores
 def test_old_sidecars_are_checked_against_the_etag_before_serving(
     s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
@@ -256,6 +257,7 @@ def test_stream_sums_match_whatever_the_chunking() -> None:
 # --- bodies corrupted in transit --------------------------------------------------------
 
 
+@pytest.mark.stores
 @pytest.mark.parametrize("part_size", ["1MiB", "16KiB"], ids=["single-get", "ranged"])
 def test_a_body_corrupted_in_transit_is_fetched_again(
     s3_server: S3Server, bucket: str, tmp_path: Path, proxy: FaultProxy, part_size: str
@@ -271,6 +273,7 @@ def test_a_body_corrupted_in_transit_is_fetched_again(
     assert proxy.faults_left == 0
 
 
+@pytest.mark.stores
 async def test_the_source_gives_up_on_a_body_corrupted_every_time(
     s3_server: S3Server, bucket: str, proxy: FaultProxy
 ) -> None:
@@ -298,6 +301,7 @@ async def test_the_source_gives_up_on_a_body_corrupted_every_time(
 # --- objects replaced in the store ------------------------------------------------------
 
 
+@pytest.mark.stores
 def test_a_replaced_object_is_served_new_after_revalidate_s(
     s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
@@ -317,6 +321,7 @@ def test_a_replaced_object_is_served_new_after_revalidate_s(
     assert len(list((tmp_path / "hot").glob("*.tar"))) == 3
 
 
+@pytest.mark.stores
 def test_an_object_replaced_mid_download_is_fetched_again_as_the_new_version(
     s3_server: S3Server, bucket: str, tmp_path: Path, proxy: FaultProxy
 ) -> None:
@@ -424,6 +429,7 @@ def test_an_outage_is_logged_once_and_its_end_too(
     assert "is unreachable:" in messages[0] and "answers again after" in messages[1]
 
 
+@pytest.mark.stores
 def test_a_404_is_not_an_outage(s3_server: S3Server, bucket: str, tmp_path: Path) -> None:
     tars, expected = make_shards(1)
     urls = upload(s3_server, bucket, tars)

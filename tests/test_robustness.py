@@ -266,9 +266,11 @@ def test_replies_a_slow_client_cannot_take_yet_wait_and_others_are_served(
     ROUTER's high-water mark of 1000, then the kernel's buffer) are tried again until the
     client reads; each arrives once, and another client is answered meanwhile. Through
     zmq.asyncio (fd2f543) the last replies never arrived: their sends waited for a
-    writable event that did not come."""
+    writable event that did not come. (Within [server] max_requests_per_client: past it a
+    client's requests are refused, tests/test_fairness.py.)"""
     sent = 1200
-    with thread_daemon(daemon_config(tmp_path, None)) as d:
+    cfg = daemon_config(tmp_path, None, **{"server.max_requests_per_client": 2000})
+    with thread_daemon(cfg) as d:
         ctx = zmq.Context()
         slow = ctx.socket(zmq.DEALER)
         slow.setsockopt(zmq.RCVHWM, 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
@@ -54,7 +55,15 @@ Classifier = Callable[[BaseException], str | None]
 class StoreUnavailable(FetchError):
     """The retry budget ran out on transient failures (connections refused or reset,
     timeouts, 5xx, throttling): the store did not answer, as opposed to answering no
-    (404, 403). The daemon then serves what its hot tier holds."""
+    (404, 403).
+
+    ``no_connection`` is True when the last attempt could not even connect to the
+    endpoint (refused, name not resolved, connect timeout): that says nothing about the
+    object asked for, only about the endpoint. Otherwise the failure may be the object's
+    own (one key answering 500, or reset, every time); the daemon counts the store as
+    unreachable only when several objects fail so (:mod:`cached.store_health`)."""
+
+    no_connection: bool = False
 
 
 class StoreTimeout(StoreUnavailable, FetchTimeout):
@@ -146,6 +155,18 @@ def transient_reason(exc: BaseException) -> str | None:
     return None
 
 
+def no_connection(exc: BaseException) -> bool:
+    """Whether ``exc`` says no connection to the endpoint could be made (refused, DNS,
+    connect timeout, proxy): the request never reached the store, whatever it asked for.
+    A connection reset or closed after the request went out is not one of these."""
+    if isinstance(exc, boto_exc.ConnectTimeoutError | boto_exc.ProxyConnectionError):
+        return True
+    if isinstance(exc, boto_exc.EndpointConnectionError):
+        # aiobotocore wraps any aiohttp connection error in this; only some are connects.
+        exc = exc.kwargs.get("error") or exc
+    return isinstance(exc, aiohttp.ClientConnectorError | socket.gaierror | ConnectionRefusedError)
+
+
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -188,12 +209,16 @@ async def retrying(
     assert last is not None and reason is not None  # the loop ran at least once
     tries = f"{policy.attempts} attempt(s)"
     message = f"{what}: gave up after {tries}; last error: {_describe(last)}. "
+    error: StoreUnavailable
     if reason == TIMEOUT:
-        raise StoreTimeout(
+        error = StoreTimeout(
             message + "The endpoint is slow or unreachable: check it and the network, "
             "or raise [s3] read_timeout_s / retry_attempts."
-        ) from last
-    raise StoreUnavailable(
-        message + "The endpoint keeps failing: check its health and the network, "
-        "or raise [s3] retry_attempts / retry_max_delay_s."
-    ) from last
+        )
+    else:
+        error = StoreUnavailable(
+            message + "The endpoint keeps failing: check its health and the network, "
+            "or raise [s3] retry_attempts / retry_max_delay_s."
+        )
+    error.no_connection = no_connection(last)
+    raise error from last

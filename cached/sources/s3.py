@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from aiobotocore.config import AioConfig
+from aiobotocore.httpsession import AIOHTTPSession
 from aiobotocore.session import AioSession
 from botocore import exceptions as boto_exc
 from cached_client.urls import ShardURL, parse
@@ -159,7 +160,8 @@ def _status_and_code(exc: boto_exc.ClientError) -> tuple[int, str, str]:
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     if not isinstance(status, int):
         status = int(code) if code.isdigit() else 0
-    return status, code, str(error.get("Message", ""))
+    # Ceph RGW sends an empty <Message> (botocore: None); the code says it all there.
+    return status, code, str(error.get("Message") or "")
 
 
 def _archived(url: str, storage_class: str, restore: str | None) -> ObjectArchived:
@@ -219,7 +221,8 @@ def _translate(exc: Exception, url: str, endpoint: str) -> Exception:
                 f"{url}: the object is shorter than the expected size; it changed since "
                 "it was looked up; look it up and fetch it again"
             )
-        return FetchError(f"{url}: {endpoint} answered {status} {code}: {message}")
+        detail = f": {message}" if message else ""
+        return FetchError(f"{url}: {endpoint} answered {status} {code}{detail}")
     if isinstance(exc, boto_exc.NoCredentialsError | boto_exc.PartialCredentialsError):
         return FetchError(
             f"{url}: no usable AWS credentials: set AWS_ACCESS_KEY_ID and "
@@ -335,6 +338,22 @@ def _read_exactly(fd: int, length: int, offset: int, path: Path) -> bytes:
     return data
 
 
+class _HTTPSession(AIOHTTPSession):  # type: ignore[misc]  # aiobotocore is untyped
+    """aiobotocore's HTTP session, with aiohttp's own retry switched off.
+
+    aiohttp sends a GET or HEAD once more when its connection fails before the answer
+    (ClientOSError, ServerDisconnectedError: RFC 9112's retry on a persistent connection).
+    That retry is outside the budget of :mod:`.retry` and uncounted in
+    ``cached_fetch_retries_total``; the budget's own retry covers the same failure.
+    """
+
+    async def _get_session(self, proxy_url: Any) -> Any:
+        session = await super()._get_session(proxy_url)
+        # Private in aiohttp; tests/test_fault_isolation.py fails if it stops working.
+        session._retry_connection = False
+        return session
+
+
 class S3Source(OwnsStack):
     """Reads ``s3://bucket/key`` objects; implements :class:`~cached.sources.base.Source`.
 
@@ -373,6 +392,7 @@ class S3Source(OwnsStack):
             read_timeout=self._cfg.read_timeout_s,
             # Ours are explicit and bounded (see retry.py); botocore's would multiply them.
             retries={"total_max_attempts": 1},
+            http_session_cls=_HTTPSession,
             # Bodies are checked once, by _Verifier, against the checksum the HEAD gave;
             # botocore checking them too would hash every byte twice.
             response_checksum_validation="when_required",
@@ -625,6 +645,8 @@ class S3Source(OwnsStack):
             return {"PartNumber": number, "ETag": response["ETag"]}
 
         async def complete(parts: list[dict[str, Any]]) -> bool:
+            if condition and await self._exists(client, key):
+                return False
             try:
                 await _request(
                     client.complete_multipart_upload,
@@ -659,6 +681,22 @@ class S3Source(OwnsStack):
                 # Also when the key already existed: a refused completion leaves the
                 # upload open. Shielded, so that a cancelled put still cleans up.
                 await asyncio.shield(self._abort(client, url, key, upload_id))
+
+    async def _exists(self, client: Any, key: dict[str, str]) -> bool:
+        """Whether the key exists now: the check before a conditional completion.
+
+        Ceph RGW 16.2 ignores ``If-None-Match`` on CompleteMultipartUpload (it honours it
+        on PUT) and would overwrite an object that appeared meanwhile. The HEAD narrows
+        that race to one round trip; where the header works, the store still decides.
+        Errors other than 404 propagate, to the retry budget of the completion.
+        """
+        try:
+            await _request(client.head_object, **key)
+        except boto_exc.ClientError as exc:
+            if _status_and_code(exc)[0] == 404:
+                return False
+            raise
+        return True
 
     async def _abort(self, client: Any, url: str, key: dict[str, str], upload_id: str) -> None:
         """Best effort: one attempt; a bucket lifecycle rule catches what this misses."""

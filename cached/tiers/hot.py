@@ -10,7 +10,9 @@ Files, content-addressed by shard id (a hash of endpoint, URL and version):
 Integrity (:mod:`.verify`): the checksum of the whole file and of every member are computed
 while the shard streams in. Every read checks the members it serves against theirs
 (``verify_reads``), so bytes that rotted on disk are never sent: the shard is dropped
-and fetched again. Shards reloaded at start are also read back whole, in the
+and fetched again. A read that fails (EIO, a file shorter than its index) drops the shard
+the same way; reads are ``preadv`` (:mod:`.pread`), never a mapping, whose unreadable page
+would be SIGBUS. Shards reloaded at start are also read back whole, in the
 background (:meth:`HotTier.verify_all`); one whose sidecar predates checksums is checked
 before it is first served.
 
@@ -21,8 +23,13 @@ Shard states and transitions (only the event loop thread changes them)::
     READY --drop_corrupt()--> absent (a read or a check found it rotten)
 
 Bytes are accounted when reserved, before a download starts, so the directory never
-holds more than ``capacity_bytes``: reservation waits for readers to release pins, and
-fails with :class:`CacheFull` when they do not within the timeout.
+holds more than :attr:`HotTier.capacity_bytes`, the disk as it is: the smaller of
+``[cache] capacity`` and what the file system has room for (the tier's own bytes and the
+free space, less ``[cache] min_free``), looked up again as other programs fill or free
+the disk. Too little room evicts by the policy; reservation waits only for readers to
+release pins (or the disk to free up), and fails with :class:`CacheFull` when they do not
+within the timeout. A write that still finds the disk full (ENOSPC) removes its partial
+file; the fetcher evicts and fetches again.
 """
 
 from __future__ import annotations
@@ -31,7 +38,6 @@ import asyncio
 import contextlib
 import enum
 import logging
-import mmap
 import os
 import threading
 import time
@@ -45,8 +51,9 @@ from ..errors import CacheError, CacheFull, NotATarError
 from ..policy import EvictionPolicy
 from ..sources.base import ObjectInfo
 from .index import Member, ShardIndex, TarIndexer
+from .pread import ShardFile, read_members
 from .sidecar import Sidecar
-from .verify import ALGORITHM, StreamSums, check_file, first_bad
+from .verify import ALGORITHM, StreamSums, check_file
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +66,10 @@ EVICTED_SUFFIX = ".evicted"
 # With local reads: the daemon's group may list the directory and read the shard files.
 SHARED_DIR_MODE = 0o750
 SHARED_FILE_MODE = 0o640
+# How stale the disk's free space may be outside eviction passes (which look afresh), and
+# how often a reservation waiting for room looks again: other programs free the disk
+# without telling us.
+DISK_LOOK_S = 1.0
 
 
 def reservation_bytes(size: int) -> int:
@@ -106,7 +117,7 @@ class Shard:
     location: dict[str, Any] | None = None
     # Counts renewals: a check that ran on an earlier copy does not judge the current one.
     generation: int = 0
-    _map: mmap.mmap | None = field(default=None, repr=False)
+    _file: ShardFile | None = field(default=None, repr=False)
 
     def renew(self, reserved_bytes: int, info: ObjectInfo) -> None:
         """Start over as a fresh download of the same shard (after a copy was found
@@ -119,16 +130,13 @@ class Shard:
         self.checksum = None
         self.verified = True
         self.location = None
-        self._map = None
+        self._file = None
 
-    def view(self, path: Path) -> memoryview:
-        """The shard's bytes, mapped once and shared by every read (zero-copy frames)."""
-        if self._map is None:
-            with open(path, "rb") as fh:
-                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            # Readers go front to back; tell the kernel so it reads ahead.
-            self._map.madvise(mmap.MADV_SEQUENTIAL)
-        return memoryview(self._map)
+    def file(self, path: Path) -> ShardFile:
+        """The shard's file, opened once and shared by every read. Raises OSError."""
+        if self._file is None:
+            self._file = ShardFile(path)
+        return self._file
 
 
 @dataclass(frozen=True)
@@ -137,7 +145,8 @@ class HotStats:
 
     shards: int
     used_bytes: int
-    capacity_bytes: int
+    capacity_bytes: int  # [cache] capacity
+    effective_bytes: int  # the bound kept now: the capacity, or less where the disk has less
     pinned: int
     fetching: int
     unverified: int = 0  # reloaded shards whose file has not been read back yet
@@ -163,7 +172,7 @@ class HotTier:
         verify_reads: bool = True,
     ) -> None:
         self.dir = directory
-        self.capacity_bytes = capacity_bytes
+        self.configured_bytes = capacity_bytes  # [cache] capacity; see capacity_bytes
         self.min_free_bytes = min_free_bytes
         self.policy = policy
         self.pin_wait_s = pin_wait_s
@@ -196,6 +205,11 @@ class HotTier:
         # Bytes of evicted shard files being unlinked in a worker thread: already free, as
         # far as room for new downloads goes.
         self._unlinking = 0
+        # Reserved bytes that downloads under way have not written yet: _used counts them,
+        # the disk does not.
+        self._unwritten = 0
+        self._effective = capacity_bytes  # see capacity_bytes
+        self._looked = -DISK_LOOK_S  # time.monotonic() of the last look at the disk
 
     # -- start -------------------------------------------------------------------------
 
@@ -289,10 +303,6 @@ class HotTier:
         """The file of a READY shard (pin it while you use the path)."""
         return self._tar(shard.shard_id)
 
-    def view(self, shard: Shard) -> memoryview:
-        """The bytes of a READY shard."""
-        return shard.view(self._tar(shard.shard_id))
-
     def locate(self, shard: Shard) -> dict[str, Any]:
         """Where a local reader finds a READY shard's bytes: the file's path, and its
         identity (inode, size, mtime), by which the reader tells the daemon's file from a
@@ -356,7 +366,8 @@ class HotTier:
 
     def on_corrupt(self, listener: Callable[[Shard, str], None]) -> None:
         """Call ``listener(shard, found)`` whenever a shard is dropped as corrupt; ``found``
-        is ``"read"`` (a read's members failed) or ``"check"`` (its file, read back)."""
+        is ``"read"`` (a read's members failed their checksums), ``"io"`` (a read failed:
+        EIO, a short file) or ``"check"`` (its file, read back)."""
         self._on_corrupt.append(listener)
 
     def needs_check(self, shard: Shard) -> bool:
@@ -366,26 +377,31 @@ class HotTier:
             return False
         return not (self.verify_reads and shard.index is not None and shard.index.checksummed)
 
-    async def read(self, shard: Shard, members: Sequence[Member]) -> list[memoryview]:
-        """The bytes of ``members`` of a READY shard, as zero-copy views of its mapping,
-        each checked against its checksum first (with ``verify_reads``).
+    async def read(self, shard: Shard, members: Sequence[Member]) -> list[Any]:
+        """The bytes of ``members`` of a READY shard, one buffer each (a ZeroMQ message,
+        sent as it is), each checked against its checksum first (with ``verify_reads``).
 
-        Raises :class:`ShardCorrupt` if one does not match; the shard is dropped then.
+        Raises :class:`ShardCorrupt` if one does not match, or the file cannot be read
+        (EIO, shorter than its index): the shard is dropped then, and a fetch brings a
+        good copy.
         """
-        view, generation = self.view(shard), shard.generation
-        if self.verify_reads and members:
+        generation, check = shard.generation, self.verify_reads
+        try:
+            file = shard.file(self._tar(shard.shard_id))
             if sum(m.size for m in members) >= THREAD_CHECK_BYTES:
-                bad = await asyncio.to_thread(first_bad, view, members)
+                frames, bad = await asyncio.to_thread(read_members, file, members, check)
             else:
-                bad = first_bad(view, members)
-            if bad is not None:
-                why = (
-                    f"member .{bad.ext} at byte {bad.offset} ({bad.size} bytes) fails its checksum"
-                )
-                if shard.generation == generation:  # else another read dropped that copy
-                    self.drop_corrupt(shard, why, "read")
-                raise ShardCorrupt(f"{shard.url}: {why} in the hot tier; fetch it again")
-        return [view[m.offset : m.offset + m.size] for m in members]
+                frames, bad = read_members(file, members, check)
+        except OSError as exc:
+            why, found = f"reading it failed: {exc.strerror or exc}", "io"
+        else:
+            if bad is None:
+                return frames
+            why = f"member .{bad.ext} at byte {bad.offset} ({bad.size} bytes) fails its checksum"
+            found = "read"
+        if shard.generation == generation:  # else another read dropped that copy
+            self.drop_corrupt(shard, why, found)
+        raise ShardCorrupt(f"{shard.url}: {why} in the hot tier; fetch it again")
 
     def drop_corrupt(self, shard: Shard, why: str, found: str) -> None:
         """Remove a shard whose bytes on disk are not what was downloaded."""
@@ -536,7 +552,8 @@ class HotTier:
         return HotStats(
             shards=sum(s.state is ShardState.READY for s in shards),
             used_bytes=self._used,
-            capacity_bytes=self.capacity_bytes,
+            capacity_bytes=self.configured_bytes,
+            effective_bytes=self.capacity_bytes,
             pinned=sum(s.pins > 0 for s in shards),
             fetching=sum(s.state is ShardState.FETCHING for s in shards),
             unverified=sum(not s.verified for s in shards),
@@ -556,8 +573,9 @@ class HotTier:
         writer.
 
         Waits up to ``wait_s`` (default ``pin_wait_s``; 0: not at all) for pinned or
-        in-flight shards to make room; raises :class:`CacheFull` after that, or at once
-        when the shard can never fit.
+        in-flight shards, or the disk, to make room; raises :class:`CacheFull` after that,
+        or at once when the shard can never fit (the capacity, or the whole file system
+        less ``min_free``, is smaller).
 
         A ``prefetch`` never waits and evicts only what the policy admits (shards needed
         later than this one); it raises :class:`NotAdmitted` without evicting anything
@@ -565,10 +583,17 @@ class HotTier:
         """
         url, size = info.url, info.size
         need = reservation_bytes(size)
-        if need > self.capacity_bytes:
+        if need > self.configured_bytes:
             raise CacheFull(
                 f"{url} ({size} bytes) is larger than the hot tier's capacity "
-                f"({self.capacity_bytes} bytes); raise [cache] capacity"
+                f"({self.configured_bytes} bytes); raise [cache] capacity"
+            )
+        st = os.statvfs(self.dir)
+        if need > st.f_blocks * st.f_frsize - self.min_free_bytes:
+            raise CacheFull(
+                f"no room for {url} ({size} bytes) on the file system holding the hot tier "
+                f"({self.dir}: {st.f_blocks * st.f_frsize} bytes in all, less [cache] "
+                f"min_free {self.min_free_bytes}); lower min_free or use a larger disk"
             )
         if prefetch:
             victims = self._admitted_victims(url, need)
@@ -582,14 +607,32 @@ class HotTier:
             left = deadline - time.monotonic()
             if left <= 0:
                 stats = self.stats()
+                disk = (
+                    f" (the disk has room for {stats.effective_bytes} of [cache] capacity "
+                    f"{stats.capacity_bytes} above [cache] min_free; other programs fill it)"
+                    if stats.effective_bytes < stats.capacity_bytes
+                    else ""
+                )
                 raise CacheFull(
                     f"no room for {url} ({size} bytes): {stats.used_bytes} of "
-                    f"{stats.capacity_bytes} bytes are held, {stats.pinned} shards pinned "
-                    f"by readers, {stats.fetching} being fetched; raise [cache] capacity "
-                    "or read with fewer streams"
+                    f"{stats.effective_bytes} bytes are held{disk}, {stats.pinned} shards "
+                    f"pinned by readers, {stats.fetching} being fetched; raise [cache] "
+                    "capacity or read with fewer streams"
                 )
-            await self.changed(left)
+            # A publication, eviction or unpin wakes it; room freed on the disk by another
+            # program does not, so it looks again now and then.
+            await self.changed(min(left, DISK_LOOK_S))
         return self._open_writer(shard_id, info, need)
+
+    def disk_full(self, need: int) -> int:
+        """A write found the disk full (ENOSPC) although the tier had room for it as it
+        looked: another program took the space since, or the file system's own blocks did.
+        Its partial file is gone (:meth:`ShardWriter.abort`); evict by the policy so that
+        ``need`` bytes fit twice over (the second for what the accounting did not see), for
+        the download to start again. Returns the bytes evicted."""
+        before = self._used
+        self._make_room(2 * need)
+        return before - self._used
 
     def _open_writer(self, shard_id: str, info: ObjectInfo, need: int) -> ShardWriter:
         shard = self._orphans.pop(shard_id, None)
@@ -599,6 +642,7 @@ class HotTier:
             shard.renew(need, info)
         self._shards[shard_id] = shard
         self._used += need
+        self._unwritten += need
         return ShardWriter(self, shard)
 
     def _admitted_victims(self, url: str, need: int) -> list[Shard] | None:
@@ -606,29 +650,26 @@ class HotTier:
         one the policy does not admit; None when that is not possible."""
         chosen: list[Shard] = []
         freed = 0
-        headroom = self._disk_headroom()
+        self.look_at_disk()
         for shard in self._evictable():
-            if not self._short(need - freed, headroom):
+            if not self._short(need - freed):
                 return chosen
             if not self.policy.admits(url, shard.shard_id):
                 # Victims come in eviction order: the policy wants the rest kept even more.
                 return None
             chosen.append(shard)
             freed += shard.reserved_bytes
-        return None if self._short(need - freed, headroom) else chosen
+        return None if self._short(need - freed) else chosen
 
     def _make_room(self, need: int) -> bool:
-        """Evict in policy order until ``need`` more bytes fit under the capacity and above
-        the disk's free-space floor. False when only pinned or in-flight shards are left."""
-        headroom = self._disk_headroom()  # once per pass, not per candidate
-        freed = 0
-        if not self._short(need, headroom):
+        """Evict in policy order until ``need`` more bytes fit under the capacity as the
+        disk has it now. False when only pinned or in-flight shards are left."""
+        self.look_at_disk()  # once per pass, not per candidate
+        if not self._short(need):
             return True
         for shard in self._evictable():
             self._evict(shard)
-            freed += shard.reserved_bytes
-            # Its bytes left the capacity count as it went; on disk they count as freed.
-            if not self._short(need, headroom + freed):
+            if not self._short(need):
                 return True
         return False
 
@@ -646,21 +687,32 @@ class HotTier:
             ):
                 yield shard
 
-    def _short(self, need: int, headroom: int) -> bool:
-        """Whether ``need`` more bytes pass the capacity, or the disk's floor (``headroom``:
-        what the file system can still take above ``min_free``)."""
-        return self._used + need > self.capacity_bytes or need > headroom
+    def _short(self, need: int) -> bool:
+        """Whether ``need`` more bytes pass the capacity as last looked at."""
+        return self._used + need > self._effective
 
-    def _disk_headroom(self) -> int:
-        """Bytes the file system can take above ``[cache] min_free``: one statvfs and one
-        pass over the shards, so callers ask once per eviction pass, not per candidate."""
+    @property
+    def capacity_bytes(self) -> int:
+        """The bound the tier keeps now (the effective capacity): the smaller of ``[cache]
+        capacity`` and what the file system holding it has room for (its own bytes and
+        the free space, less ``[cache] min_free``). At most :data:`DISK_LOOK_S` old;
+        every eviction pass looks afresh."""
+        if time.monotonic() - self._looked >= DISK_LOOK_S:
+            self.look_at_disk()
+        return self._effective
+
+    def look_at_disk(self) -> int:
+        """Look at the disk now (one statvfs): sets and returns :attr:`capacity_bytes`."""
         st = os.statvfs(self.dir)
-        # Reserved bytes of fetches under way are not on disk yet but soon will be; files
-        # being unlinked are as good as gone.
-        pending = sum(
-            s.reserved_bytes for s in self._shards.values() if s.state is ShardState.FETCHING
-        )
-        return st.f_bavail * st.f_frsize + self._unlinking - pending - self.min_free_bytes
+        # The tier's bytes on the disk: its shards, what its downloads wrote so far (their
+        # reservations count the rest), and evicted files being unlinked. Eviction and
+        # writes move bytes between these and the free space; only other programs (and
+        # the file system's own blocks) change the sum.
+        ours = self._used - self._unwritten + self._unlinking
+        room = ours + st.f_bavail * st.f_frsize - self.min_free_bytes
+        self._effective = max(0, min(self.configured_bytes, room))
+        self._looked = time.monotonic()
+        return self._effective
 
     def _evict(self, shard: Shard) -> None:
         self._remove(shard)
@@ -673,10 +725,10 @@ class HotTier:
             del self._by_url[shard.url]
         self.policy.on_remove(shard.shard_id)
         self._used -= shard.reserved_bytes
-        # Unlink first: live memoryviews of the mapping stay valid until the frames are sent.
+        # Reads under way keep the file open (their descriptor outlives the unlink).
         self._idx(shard.shard_id).unlink(missing_ok=True)
         self._discard(self._tar(shard.shard_id), shard.reserved_bytes)
-        shard._map = None
+        shard._file = None
         self._notify()
 
     def _discard(self, path: Path, size: int) -> None:
@@ -731,6 +783,9 @@ class ShardWriter:
         self._sums = StreamSums()
         self._not_a_tar: NotATarError | None = None
         self.bytes_written = 0
+        # Of the reservation, what has been taken off the tier's unwritten bytes (None
+        # once all of it has: published or aborted).
+        self._landed: int | None = 0
 
     def _write(self, run: Sequence[bytes]) -> None:
         if self._not_a_tar is not None:
@@ -754,7 +809,18 @@ class ShardWriter:
         Bytes that are not a tar archive are dropped, and :meth:`publish` raises
         NotATarError."""
         await asyncio.to_thread(self._write, run)
-        self.bytes_written += sum(map(len, run))
+        n = sum(map(len, run))
+        self.bytes_written += n
+        if self._landed is not None:
+            n = min(n, self.shard.reserved_bytes - self._landed)
+            self._landed += n
+            self.hot._unwritten -= n
+
+    def _settle(self) -> None:
+        """The reservation is on the disk or given up: none of it is unwritten any more."""
+        if self._landed is not None:
+            self.hot._unwritten -= self.shard.reserved_bytes - self._landed
+            self._landed = None
 
     async def rewind(self) -> None:
         """Start again from byte 0: the source sends the whole object again (a body that
@@ -764,6 +830,9 @@ class ShardWriter:
         self._sums = StreamSums()
         self._not_a_tar = None
         self.bytes_written = 0
+        if self._landed is not None:
+            self.hot._unwritten += self._landed
+            self._landed = 0
 
     def _truncate(self) -> None:
         self._file.seek(0)
@@ -782,6 +851,7 @@ class ShardWriter:
         index = await asyncio.to_thread(self._finish_files, index, sums.member_sums)
         shard.index = index
         actual = index.size_bytes + hot._idx(shard.shard_id).stat().st_size
+        self._settle()
         hot._used += actual - shard.reserved_bytes
         shard.reserved_bytes = actual
         shard.state = ShardState.READY
@@ -805,11 +875,15 @@ class ShardWriter:
         return index
 
     def abort(self) -> None:
-        """Drop the partial file and the reservation."""
-        self._file.close()
+        """Drop the partial file (and a sidecar written for it) and the reservation."""
+        with contextlib.suppress(OSError):  # a full disk can fail the flush of a close
+            self._file.close()
         self._partial.unlink(missing_ok=True)
+        self._settle()
         hot = self.hot
         if hot._shards.get(self.shard.shard_id) is self.shard:
+            if self.shard.state is ShardState.FETCHING:  # publish wrote it, then failed
+                hot._idx(self.shard.shard_id).unlink(missing_ok=True)
             del hot._shards[self.shard.shard_id]
             hot._used -= self.shard.reserved_bytes
             if self.shard.pins:  # readers of a copy dropped as corrupt still hold it
@@ -827,5 +901,9 @@ def _sidecar(shard: Shard) -> Sidecar:
 def _write_atomically(path: Path, data: bytes) -> None:
     """Write ``path`` through a partial file and a rename: readers see old or new."""
     partial = path.with_name(path.name + ".partial")
-    partial.write_bytes(data)
-    os.replace(partial, path)
+    try:
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    except OSError:
+        partial.unlink(missing_ok=True)  # a full disk: leave nothing half written
+        raise

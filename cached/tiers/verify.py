@@ -133,6 +133,8 @@ def check_file(
                     md5.update(view[:n])
     except FileNotFoundError:
         return FileCheck(None, detail="the file is gone")
+    except OSError as exc:  # EIO: a sector that cannot be read is as bad as one that rotted
+        return FileCheck(False, detail=f"reading it failed: {exc.strerror or exc}")
     if sums.size != index.size_bytes:
         return FileCheck(False, detail=f"{sums.size} bytes, the index says {index.size_bytes}")
     if whole is not None:

@@ -179,14 +179,23 @@ class Batch:
         return len(self.keys)
 
     def view(
-        self, ext: str, dtype: torch.dtype = torch.uint8, shape: Sequence[int] = ()
+        self, ext: str, dtype: torch.dtype = torch.uint8, shape: Sequence[int] | None = None
     ) -> torch.Tensor:
-        """``data[ext]`` as ``[batch, *shape]`` of ``dtype``; the members must be equal in size."""
+        """``data[ext]`` as ``[batch, *shape]`` of ``dtype``, without a copy; the members must
+        be equal in size. ``shape=()``: one ``dtype`` scalar per member, ``[batch]``;
+        None (the default): ``[batch, n]``, each member's bytes as ``n`` of ``dtype``."""
         data = self.data[ext]
         sizes = {b - a for a, b in zip(self.offsets[ext], self.offsets[ext][1:], strict=False)}
         if len(sizes) > 1:
             raise UsageError(f"members {ext!r} differ in size ({sorted(sizes)[:4]}...)")
-        return data.view(dtype).reshape(len(self.keys), *shape if shape else (-1,))
+        rows = (-1,) if shape is None else tuple(shape)
+        try:
+            return data.view(dtype).reshape(len(self.keys), *rows)
+        except RuntimeError as exc:  # the members' size is not that of [*shape] of dtype
+            raise UsageError(
+                f"cannot view members {ext!r} ({next(iter(sizes), 0)} bytes each) as "
+                f"{list(rows)} of {dtype}: {exc}"
+            ) from exc
 
     def to(self, device: str | torch.device, non_blocking: bool = True) -> Batch:
         """This batch on ``device``: a batch that owns its memory, safe to keep.

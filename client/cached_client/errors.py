@@ -76,11 +76,23 @@ class Forbidden(RemoteError, PermissionError):
     """The daemon does not serve this URL: it is outside the daemon's ``[server] allow``."""
 
 
+class LimitExceeded(RemoteError):
+    """The request would take this client (or its user, or the daemon) past one of the
+    daemon's bounds: requests in flight, plans, pinned shards. The message names the
+    ``[server]`` key that raises it."""
+
+
+class RequestTooLarge(CachedClientError, ValueError):
+    """A request is larger than the daemon takes (``[server] max_request_bytes``): it was
+    not sent (the daemon would drop the connection that sent it)."""
+
+
 _BY_CODE: dict[str, type[RemoteError]] = {
     ErrorCode.NOT_FOUND: ShardNotFound,
     ErrorCode.NOT_A_TAR: NotATar,
     ErrorCode.VERSION: VersionMismatch,
     ErrorCode.FORBIDDEN: Forbidden,
+    ErrorCode.LIMIT: LimitExceeded,
 }
 
 

@@ -122,15 +122,15 @@ class LocalFiles:
             view = self._gaps[n] = self._scratch[:n]
         return view
 
-    def payload(self, header: Header) -> LocalPayload:
-        """The members of a local read reply, in the shard file. Raises
-        :class:`~cached_client.errors.ProtocolError` for a reply without its file."""
+    def payload(self, header: Header, url: str = "") -> LocalPayload:
+        """The members of a local read reply to a read of ``url``, in the shard file.
+        Raises :class:`~cached_client.errors.ProtocolError` for a reply without its file."""
         where = header.get("local")
         if not isinstance(where, dict) or not isinstance(where.get("path"), str):
             raise ProtocolError("a local reply without its file's path")
         algorithm = where.get("algorithm")
         digest = _DIGESTS.get(algorithm) if isinstance(algorithm, str) else None
-        return LocalPayload(self, header, where, digest)
+        return LocalPayload(self, header, url, where, digest)
 
     def fd(self, where: dict[str, Any], url: str) -> int:
         """The open file the reply ``where`` names (opened, and checked, once). Raises
@@ -177,12 +177,13 @@ class LocalPayload:
     it again (or fails over to the socket), never a descriptor number reused since."""
 
     def __init__(
-        self, files: LocalFiles, header: Header, where: dict[str, Any], digest: Any
+        self, files: LocalFiles, header: Header, url: str, where: dict[str, Any], digest: Any
     ) -> None:
         self._files = files
         self._header = header
         self._where = where
-        self._url = str(header.get("url", ""))
+        # The URL read (a read's reply does not name it): LocalFiles.release closes its files.
+        self._url = url
         self._digest = digest
 
     @functools.cached_property
@@ -205,7 +206,10 @@ class LocalPayload:
         :meth:`read_many`, in one call. Raises :class:`LocalUnavailable`."""
         assert GATHER is not None
         fd = self._files.fd(self._where, self._url)
-        failed = GATHER.read(fd, plan, buffers, 0, len(plan) // _PLACE.size)
+        try:
+            failed = GATHER.read(fd, plan, buffers, 0, len(plan) // _PLACE.size)
+        except OSError as exc:
+            raise self._failed_read(exc) from None
         if failed is not None:
             why, offset = failed
             if why == "short":
@@ -272,14 +276,30 @@ class LocalPayload:
     def _short(self, offset: int) -> LocalUnavailable:
         return LocalUnavailable(f"{self._where['path']}: short read at {offset}", lasting=False)
 
+    def _failed_read(self, exc: OSError) -> LocalUnavailable:
+        # EIO (a sector the disk cannot read) or any other failed read: as a failed
+        # checksum, this read goes through the socket, where the daemon drops the shard
+        # it cannot read and fetches it again.
+        return LocalUnavailable(
+            f"{self._where['path']}: reading it failed: {exc.strerror or exc}", lasting=False
+        )
+
     def _preadv(self, fd: int, run: list[Any], start: int, end: int) -> None:
-        if os.preadv(fd, run, start) != end - start:
+        try:
+            done = os.preadv(fd, run, start)
+        except OSError as exc:
+            raise self._failed_read(exc) from None
+        if done != end - start:
             raise self._short(start)
 
     def read(self, i: int) -> bytes:
         """Member ``i`` as new ``bytes``."""
         offset, size, checksum = self._span(i)
-        data = os.pread(self._files.fd(self._where, self._url), size, offset)
+        fd = self._files.fd(self._where, self._url)
+        try:
+            data = os.pread(fd, size, offset)
+        except OSError as exc:
+            raise self._failed_read(exc) from None
         if len(data) != size:
             raise self._short(offset)
         self._check(data, offset, checksum)
@@ -391,10 +411,18 @@ class LocalRead:
     it may raise, to refuse the socket (local reads required)."""
 
     def __init__(
-        self, files: LocalFiles, header: Header, refetch: Any, lost: Any, *, packed: Any = None
+        self,
+        files: LocalFiles,
+        header: Header,
+        refetch: Any,
+        lost: Any,
+        *,
+        url: str = "",
+        packed: Any = None,
     ) -> None:
         self._files = files
         self._header = header
+        self._url = url
         self._refetch = refetch
         self._lost = lost
         # The layout frame of a packed reply (D34): its samples are PackedRows, not JSON.
@@ -419,7 +447,7 @@ class LocalRead:
 
     def _source(self) -> LocalPayload:
         if self._payload is None:
-            self._payload = self._files.payload(self._header)
+            self._payload = self._files.payload(self._header, self._url)
         return self._payload
 
     def member(self, i: int) -> bytes:

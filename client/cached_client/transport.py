@@ -42,6 +42,7 @@ from .errors import (
     LocalReadsUnavailable,
     ProtocolError,
     RemoteError,
+    RequestTooLarge,
     check_reply,
 )
 from .local import LocalFiles, LocalRead, LocalUnavailable, copy_frame
@@ -192,6 +193,8 @@ class Connection:
         self._local_sent: dict[int, Header] = {}  # local reads, until their reply is taken
         self._local_answered = False
         self._features: frozenset[str] = frozenset()  # from the daemon's hello
+        # The largest request the daemon takes (its hello's "limits"; None: not said).
+        self._max_request_bytes: int | None = None
         # Pins given back with the stream's next open or read ("release"), by stream.
         self._releases: dict[str, list[str]] = {}
         # What opens said of each shard (samples, payload bytes), the most recent last: a
@@ -227,6 +230,9 @@ class Connection:
         self._instance = header.get("instance")
         features = header.get("features")
         self._features = frozenset(features) if isinstance(features, list) else frozenset()
+        limits = header.get("limits")
+        most = limits.get("max_request_bytes") if isinstance(limits, dict) else None
+        self._max_request_bytes = most if isinstance(most, int) else None
 
     def close(self) -> None:
         """Close the socket (pending requests are kept for a reconnect)."""
@@ -242,14 +248,15 @@ class Connection:
         Requests are idempotent (reads address samples by URL and index), so a resent
         one is answered exactly as the original would have been.
         """
-        previous = self._instance
         # Replies that came early are whole answers (their requests are no longer
         # pending, so nothing would ask for them again): they outlive the old socket.
         early = self._early
         self.close()
         self._early = early
         self.open()
-        self._resend(standing=self._instance != previous)
+        # The standing state too, whether or not the daemon restarted: the daemon drops
+        # what a connection held (its plans) when the connection closes.
+        self._resend(standing=True)
 
     def send(self, header: Header, *, reply: bool = True, local: bool = True) -> int:
         """Send a request without waiting; returns its id.
@@ -272,11 +279,20 @@ class Connection:
             released = self._releases.pop(str(header.get("stream")), None)
             if released:
                 header["release"] = released
+        message = encode(header)
+        most = self._max_request_bytes
+        if most is not None and len(message) > most:
+            self._local_sent.pop(request_id, None)
+            raise RequestTooLarge(
+                f"a {op} request of {len(message)} bytes is larger than the cached daemon at "
+                f"{self.endpoint} takes ([server] max_request_bytes = {most}); send less at "
+                "once (a plan of fewer shards), or raise the limit"
+            )
         if reply:
             self._pending[request_id] = header
             if header.get("if_resident"):
                 self._if_resident[request_id] = header
-        self._sock.send(encode(header))
+        self._sock.send(message)
         return request_id
 
     def remember_open(self, url: str, header: Header) -> None:
@@ -458,7 +474,8 @@ class Connection:
             return self.wait(self.send(request, local=False))[1]
 
         layout = frames[0] if "packed" in header and frames else None
-        local = LocalRead(self._files, header, refetch, self._lost, packed=layout)
+        url = str(sent.get("url", ""))
+        local = LocalRead(self._files, header, refetch, self._lost, url=url, packed=layout)
         return Reply(header, [], local=local)
 
     def _lost(self, exc: LocalUnavailable) -> None:

@@ -17,8 +17,38 @@ def expand(pattern: str) -> list[str]:
     """Expand ``{000..127}`` ranges (zero padding kept, several ranges multiply).
 
     ``s3://b/train-{000..002}.tar`` -> ``[s3://b/train-000.tar, ..., s3://b/train-002.tar]``.
-    A comma-separated ``{a,b}`` alternative is expanded too.
+    A comma-separated ``{a,b}`` alternative is expanded too. A brace left over (unbalanced,
+    or around something else) raises ``UsageError``: such a URL would name no object, and
+    the daemon would say only "not found". A key's own brace is written ``%7B``/``%7D``.
     """
+    out = _expand(pattern)
+    for url in out:
+        if "{" in url or "}" in url:
+            raise UsageError(f"bad brace pattern {pattern!r}: {_brace_fault(url)}")
+    return out
+
+
+def _brace_fault(url: str) -> str:
+    """What is wrong with the braces left in an expanded URL."""
+    depth = 0
+    for ch in url:
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth < 0:
+                return "a '}' without its '{'" + _BRACE_HELP
+    if depth > 0:
+        return "a '{' is not closed" + _BRACE_HELP
+    return "a {...} that is neither a range nor a list" + _BRACE_HELP
+
+
+_BRACE_HELP = (
+    "; write {000..009} for a range, {a,b} for a list, and %7B or %7D for a brace in a key"
+)
+
+
+def _expand(pattern: str) -> list[str]:
     match = _BRACE.search(pattern)
     if match is not None:
         lo, hi = match.group(1), match.group(2)
@@ -28,12 +58,12 @@ def expand(pattern: str) -> list[str]:
         head, tail = pattern[: match.start()], pattern[match.end() :]
         out: list[str] = []
         for i in range(int(lo), int(hi) + 1):
-            out.extend(expand(f"{head}{i:0{width}d}{tail}"))
+            out.extend(_expand(f"{head}{i:0{width}d}{tail}"))
         return out
     alt = re.search(r"\{([^{}]*,[^{}]*)\}", pattern)
     if alt is not None:
         head, tail = pattern[: alt.start()], pattern[alt.end() :]
-        return [u for part in alt.group(1).split(",") for u in expand(f"{head}{part}{tail}")]
+        return [u for part in alt.group(1).split(",") for u in _expand(f"{head}{part}{tail}")]
     return [pattern]
 
 

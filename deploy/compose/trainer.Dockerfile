@@ -39,15 +39,17 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/trainer/bin:$PATH
 COPY --from=build /opt/trainer /opt/trainer
 COPY deploy/compose/trainer.py /opt/trainer/trainer.py
-# The daemon's uid and group: the daemon makes its ipc socket 0660 ([server]
-# socket_mode), and connecting to a unix socket needs write permission on it.
+# A training user of its own (uid 10002), in the daemon's group `cached` (gid 10001, the
+# daemon image's): the daemon makes its ipc socket 0660 ([server] socket_mode) and its
+# shard files 0640, so the group admits the trainer to both, as `usermod -aG cached` does
+# on a systemd node. docker-compose.yml also passes the group with group_add, since a
+# numeric USER uid:gid gets no supplementary groups from /etc/group.
 # /run/cached is the mount point of the socket's volume; a new named volume takes the
-# owner of this directory, whichever of the two containers mounts it first.
+# owner and mode of this directory, whichever of the two containers mounts it first.
 RUN groupadd --gid 10001 cached \
- && useradd --uid 10001 --gid cached --no-create-home --home-dir /nonexistent \
-      --shell /usr/sbin/nologin cached \
- && mkdir -p /run/cached \
- && chown cached:cached /run/cached
-USER 10001:10001
+ && useradd --uid 10002 --user-group --groups cached --no-create-home \
+      --home-dir /nonexistent --shell /usr/sbin/nologin trainer \
+ && install -d -m 0750 -o 10001 -g 10001 /run/cached
+USER 10002:10002
 WORKDIR /opt/trainer
 ENTRYPOINT ["python", "/opt/trainer/trainer.py"]

@@ -1,0 +1,117 @@
+"""The daemon's resident memory idle and under each hostile client of issue 20: a client
+that never reads its replies, oversized request frames, and many connections of one user
+announcing plans. ``python -m bench.bounds_rss`` prints one line per case (no S3 needed:
+the requests are ``status``, ``plan`` and raw frames)."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+from cached_client.protocol import PROTOCOL_VERSION, decode, encode
+
+from cached.local import DaemonProcess, write_config
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def dealer(ctx: zmq.Context[Any], socket: str, **options: int) -> Any:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    for name, value in options.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    sock.connect(socket)
+    return sock
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--connections", type=int, default=200)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        socket = f"ipc://{directory}/cached.sock"
+        config = write_config(
+            directory / "config.toml",
+            {
+                "server": {"socket": socket, "http": "127.0.0.1:0"},
+                "cache": {"dir": str(directory / "hot"), "capacity": "1GiB", "min_free": "0"},
+                "s3": {"endpoint_url": "http://127.0.0.1:9"},
+                # Plans of closed connections go at once: their memory is measured after.
+                "prefetch": {"lookahead": "0", "plan_grace_s": 0},
+            },
+        )
+        ctx: zmq.Context[Any] = zmq.Context()
+        with DaemonProcess(config, socket) as daemon:
+            assert daemon.proc is not None
+            pid = daemon.proc.pid
+            time.sleep(2)
+            print(f"idle: {rss_mib(pid):.0f} MiB")
+
+            # A client that never reads: 20,000 status requests (~3 KB replies).
+            deaf = dealer(ctx, socket, RCVHWM=1, SNDHWM=100_000)
+            for i in range(20_000):
+                deaf.send(encode({"op": "status", "id": i}))
+            time.sleep(5)
+            print(f"never-reading client, 20,000 requests sent: {rss_mib(pid):.0f} MiB")
+            deaf.close(0)
+            time.sleep(2)
+            print(f"  after it closed: {rss_mib(pid):.0f} MiB")
+
+            # Oversized frames: 4 connections, one 256 MiB frame each.
+            big = b"x" * (256 << 20)
+            peak = 0.0
+            for _ in range(4):
+                sock = dealer(ctx, socket)
+                sock.send(big, copy=False)
+                for _ in range(10):
+                    time.sleep(0.1)
+                    peak = max(peak, rss_mib(pid))
+                sock.close(0)
+            del big
+            print(f"4 frames of 256 MiB: peak {peak:.0f} MiB, then {rss_mib(pid):.0f} MiB")
+
+            # One user, many connections, each announcing plans until refused.
+            urls = [f"s3://bucket/dataset/train/shard-{i:07d}.tar" for i in range(100_000)]
+            accepted = refused = 0
+            socks = []
+            for c in range(args.connections):
+                sock = dealer(ctx, socket)
+                socks.append(sock)
+                for p in range(2):
+                    header = {"op": "plan", "id": p, "plan": f"c{c}-p{p}", "urls": urls}
+                    sock.send(encode(header))
+                    reply = sock.recv_multipart()[0]
+                    ok = b'"ok":true' in reply or b'"ok": true' in reply
+                    accepted, refused = accepted + ok, refused + (not ok)
+                if refused >= 4:
+                    break
+            time.sleep(1)
+            print(
+                f"one user, {len(socks)} connections: {accepted} plans of 100,000 URLs "
+                f"accepted, {refused} refused: {rss_mib(pid):.0f} MiB"
+            )
+            for sock in socks:
+                sock.close(0)
+            time.sleep(3)
+            print(f"  after they closed: {rss_mib(pid):.0f} MiB")
+            hello = dealer(ctx, socket)
+            hello.send(encode({"op": "status", "id": 1, "v": PROTOCOL_VERSION}))
+            assert hello.poll(5000), "the daemon does not answer"
+            plans = decode(hello.recv_multipart()[0])["status"]["plans"]
+            print(f"  plans left: {len(plans)} (the allocator keeps the freed memory)")
+            hello.close(0)
+        ctx.term()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""What one connection, one local user, and every client together may hold in the daemon:
+the ``[server]`` bounds as one value for :class:`cached.server.Server`
+(docs/operations.md, "Fairness and bounds on a shared node")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ServerConfig, format_size
+from .quota import Cap, Quota
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The bounds; the defaults are ``[server]``'s."""
+
+    max_request_bytes: int = ServerConfig.max_request_bytes
+    reply_timeout_s: float = ServerConfig.reply_timeout_s
+    max_requests_per_client: int = ServerConfig.max_requests_per_client
+    max_plans_per_client: int = ServerConfig.max_plans_per_client
+    max_plans_per_user: int = ServerConfig.max_plans_per_user
+    max_plans: int = ServerConfig.max_plans
+    max_plan_urls_per_user: int = ServerConfig.max_plan_urls_per_user
+    max_plan_urls: int = ServerConfig.max_plan_urls
+    max_leases_per_client: int = ServerConfig.max_leases_per_client
+    max_leases_per_user: int = ServerConfig.max_leases_per_user
+    max_leases: int = ServerConfig.max_leases
+    max_pinned_share_per_user: float = ServerConfig.max_pinned_share_per_user
+
+    @classmethod
+    def from_config(cls, server: ServerConfig) -> Bounds:
+        """The bounds ``[server]`` sets."""
+        return cls(**{name: getattr(server, name) for name in cls.__dataclass_fields__})
+
+    def plan_quotas(self) -> tuple[Quota, Quota]:
+        """Plans counted (per connection, per user, in total), and their URLs (per user, in
+        total: what a plan costs in memory, about 600 bytes each)."""
+        plans = Quota(
+            "plans",
+            per_client=Cap(self.max_plans_per_client, "[server] max_plans_per_client"),
+            per_user=Cap(self.max_plans_per_user, "[server] max_plans_per_user"),
+            total=Cap(self.max_plans, "[server] max_plans"),
+        )
+        urls = Quota(
+            "URLs in plans",
+            per_user=Cap(self.max_plan_urls_per_user, "[server] max_plan_urls_per_user"),
+            total=Cap(self.max_plan_urls, "[server] max_plan_urls"),
+        )
+        return plans, urls
+
+    def lease_quotas(self, capacity_bytes: int) -> tuple[Quota, Quota]:
+        """Leases counted (per connection, per user, in total), and the bytes of the shards
+        they pin per user (a share of the hot tier's ``capacity_bytes``)."""
+        leases = Quota(
+            "pinned shards",
+            per_client=Cap(self.max_leases_per_client, "[server] max_leases_per_client"),
+            per_user=Cap(self.max_leases_per_user, "[server] max_leases_per_user"),
+            total=Cap(self.max_leases, "[server] max_leases"),
+        )
+        share = self.max_pinned_share_per_user
+        pinned = Quota(
+            "of pinned shards",
+            per_user=Cap(
+                limit := int(capacity_bytes * share),
+                "[server] max_pinned_share_per_user",
+                f"[server] max_pinned_share_per_user = {share:g} of [cache] capacity: "
+                f"{format_size(limit)}",
+            ),
+            show=format_size,
+        )
+        return leases, pinned
