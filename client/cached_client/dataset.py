@@ -15,7 +15,8 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import jobs, partition, resume
+from . import elastic, jobs, partition, resume
+from . import placement as placement_module
 from .errors import UsageError
 from .local import choose
 from .reader import RawSample, announce, pipelined_reads, raw_samples, shard_lengths
@@ -63,6 +64,19 @@ class CachedDataset(IterableDataset[Any]):
             DataLoader over this dataset); None means ``$CACHED_JOB``, else a name made
             from the script and the launch, the same in every rank (see
             :func:`cached_client.jobs.job_name`).
+        placement: ``"global"`` (the default): every epoch spreads all shards over all
+            readers, so a shard is read on a different node each epoch. ``"node"``: each
+            node owns a fixed set of shards (from ``seed`` and the node count) and shuffles
+            within it, so that after the first epoch a node's daemon has its shards cached
+            and the store sees about one dataset per run, not one per epoch
+            (docs/placement.md). The node comes from torchrun's ``LOCAL_WORLD_SIZE`` (and
+            is checked against ``GROUP_RANK`` and ``LOCAL_RANK``); ranks are numbered node
+            by node.
+        placement_mix: with ``placement="node"``, the fraction of shards handed to
+            another node each epoch (fixed by seed and epoch), for a better shuffle across
+            nodes; it costs about that fraction of the dataset in store egress per epoch.
+        node, local_world_size: the node index and ranks per node, overriding
+            ``GROUP_RANK`` and ``LOCAL_WORLD_SIZE``.
         local_reads: on the daemon's node, read the sample bytes straight from the hot
             tier's files, the socket carrying only the control messages (docs/protocol.md,
             "Local reads"). None (the default) means ``$CACHED_LOCAL_READS`` (``auto``,
@@ -75,7 +89,9 @@ class CachedDataset(IterableDataset[Any]):
     in each DataLoader worker under ``torchdata``'s ``StatefulDataLoader``, which collects
     and restores them per worker, or in the main process with ``num_workers=0``. A resumed
     iteration reads only the samples that remain, in the order the uninterrupted one would
-    have given them.
+    have given them. On another number of nodes, ranks or workers, load the state that
+    :func:`cached_client.elastic.elastic_state` merges from every reader's: the rest of
+    that epoch is read once, spread over the new readers.
     """
 
     def __init__(
@@ -94,6 +110,10 @@ class CachedDataset(IterableDataset[Any]):
         connect_timeout_s: float = 5.0,
         job: str | None = None,
         local_reads: bool | None = None,
+        placement: str = "global",
+        placement_mix: float = 0.0,
+        node: int | None = None,
+        local_world_size: int | None = None,
     ) -> None:
         super().__init__()
         self.urls = expand_all(urls)
@@ -101,6 +121,13 @@ class CachedDataset(IterableDataset[Any]):
         self.shuffle = shuffle
         self.seed = seed
         self.rank, self.world_size = partition.resolve_rank(rank, world_size)
+        placement_module.check_placement(placement, placement_mix)
+        self.placement, self.placement_mix = placement, placement_mix
+        self.local_world_size: int | None = None
+        if placement == "node":
+            self.local_world_size = placement_module.resolve_local_world_size(
+                self.rank, self.world_size, node=node, local_world_size=local_world_size
+            )
         self.shuffle_buffer = shuffle_buffer
         self.equal_batches = equal_batches
         self.decode = decode
@@ -173,17 +200,29 @@ class CachedDataset(IterableDataset[Any]):
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         return self.rank * workers + worker, self.world_size * workers
 
+    def reader(self) -> placement_module.Reader:
+        """This reader's place in the job (rank, DataLoader worker, node)."""
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        return placement_module.Reader(
+            self.rank,
+            self.world_size,
+            worker,
+            workers,
+            self.placement,
+            self.local_world_size or 1,
+            self.placement_mix,
+        )
+
     def parts(self, epoch: int | None = None) -> list[partition.Part]:
         """The shard ranges this reader reads in ``epoch`` (default: the current one)."""
         epoch = self.epoch if epoch is None else epoch
-        stream, streams = self.stream_position()
-        return partition.reader_parts(
+        return placement_module.plan(
             len(self.urls),
+            self.reader(),
             shuffle=self.shuffle,
             seed=self.seed,
             epoch=epoch,
-            stream=stream,
-            streams=streams,
             lengths=self.lengths if self.equal_batches else None,
         )
 
@@ -206,7 +245,7 @@ class CachedDataset(IterableDataset[Any]):
         saved, self._pending = self._pending, None
         if saved is not None:
             # Checked again here: a state loaded in the main process may reach a worker.
-            resume.check(saved, self._identity())
+            self._check(saved)
             saved = resume.for_epoch(
                 saved, self.epoch, "CachedDataset", f"the dataset is set to epoch {self.epoch}"
             )
@@ -246,7 +285,16 @@ class CachedDataset(IterableDataset[Any]):
             "seed": self.seed,
             "equal_batches": self.equal_batches,
             "shuffle_buffer": self.shuffle_buffer,
+            "placement": self.placement,
+            "local_world_size": self.local_world_size,
+            "placement_mix": self.placement_mix,
         }
+
+    def _check(self, state: Any) -> None:
+        if isinstance(state, Mapping) and state.get("elastic"):
+            elastic.check(state, self._identity())
+        else:
+            resume.check(state, self._identity())
 
     def state_dict(self) -> dict[str, Any]:
         """This reader's position: where the iteration running in this process is (or the
@@ -262,6 +310,8 @@ class CachedDataset(IterableDataset[Any]):
         if self._pending is not None:
             return dict(self._pending)
         run = self._pass or _Pass(self.epoch, None)
+        if run.elastic is not None and run.own is None:
+            return dict(run.elastic)  # not started: the merged state it was loaded from
         return {**self._identity(), **run.state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -270,12 +320,14 @@ class CachedDataset(IterableDataset[Any]):
         iteration would have from there.
 
         Raises :class:`~cached_client.errors.UsageError` if the state was saved by another
-        reader: other shard URLs, seed, shuffle, rank, world size or DataLoader workers.
-        In the main process it also sets the epoch to the state's; in a worker (where the
+        reader: other shard URLs, seed, shuffle, rank, world size or DataLoader workers
+        (a state merged by :func:`~cached_client.elastic.elastic_state` resumes on any of
+        those, and its rest of the epoch is spread over the new readers). In the main
+        process it also sets the epoch to the state's; in a worker (where the
         epoch is shared with the main process) the epoch must already be the state's, as
         a training loop's ``set_epoch`` makes it.
         """
-        resume.check(state, self._identity())
+        self._check(state)
         self._pending = dict(state)
         if get_worker_info() is None:
             self.set_epoch(int(state["epoch"]))
@@ -286,10 +338,17 @@ class _Pass:
 
     def __init__(self, epoch: int, saved: Mapping[str, Any] | None) -> None:
         self.epoch = epoch
+        # A merged state: this pass reads its share of the rest of the saved epoch.
+        self.elastic = saved if saved is not None and saved.get("elastic") else None
+        self.lengths: str | None = None if saved is None else saved.get("lengths")
+        if self.elastic is not None:
+            saved = None
         self.saved = saved
         self.position = Position(epoch) if saved is None else Position.saved(saved)
         self.shuffle: partition.ShuffleBuffer[tuple[Ref, Sample]] | None = None
-        self.lengths: str | None = None if saved is None else saved.get("lengths")
+        # The parts of a pass that is a share of an epoch's rest (not the epoch's plan).
+        own = None if saved is None else saved.get("own")
+        self.own = None if own is None else elastic.parts_from(own)
 
     def state(self) -> dict[str, Any]:
         """This pass's fields of a state dict (see ``CachedDataset.state_dict``)."""
@@ -311,6 +370,7 @@ class _Pass:
             "owed": owed,
             "draining": draining,
             "lengths": self.lengths,
+            "own": None if self.own is None else elastic.parts_state(self.own),
         }
 
     def _buffered(self) -> list[Ref]:
@@ -359,7 +419,6 @@ class _Pass:
     ) -> Iterator[tuple[Ref, Sample]]:
         """``picks`` (samples before the position), then the rest of the pass from the
         position, each as ``(ref, sample)``; the position moves as the rest is taken."""
-        parts = ds.parts(self.epoch)
         if ds.equal_batches:
             lengths = resume.fingerprint(ds.lengths())
             if self.lengths is not None and self.lengths != lengths:
@@ -368,6 +427,16 @@ class _Pass:
                     "the state was saved (equal_batches splits by them)"
                 )
             self.lengths = lengths
+        if self.elastic is not None and self.own is None:
+            self.own = elastic.resumed_share(
+                self.elastic,
+                ds.reader(),
+                n_shards=len(ds.urls),
+                seed=ds.seed,
+                epoch=self.epoch,
+                lengths=ds.lengths() if ds.equal_batches else None,
+            )
+        parts = self.own if self.own is not None else ds.parts(self.epoch)
         self.position.start(parts, "CachedDataset")
         spans, owners = resume.resume_spans(ds.urls, parts, self.position, picks)
         conn, sid = ds.connection(), ds._stream_id()

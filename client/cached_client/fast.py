@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from . import jobs, partition, resume
+from . import elastic, jobs, partition, resume
 from . import local as local_module
+from . import placement as placement_module
 from .buffers import Batch, Ring, Slot, pinned_memory_available
 from .device import CopyStream, require_device, with_index
 from .errors import ProtocolError, UsageError, check_reply
@@ -60,13 +61,16 @@ class FastLoader:
             number of batches: no rank waits for another in DDP's last all-reduce); the
             daemon indexes every shard once first, and up to ``world_size - 1`` samples of
             each epoch are left out. :func:`len` then gives the number of batches.
-        socket, shuffle, seed, rank, world_size, job, local_reads: as for
+        socket, shuffle, seed, rank, world_size, job, local_reads, placement,
+        placement_mix, node, local_world_size: as for
             :class:`~cached_client.CachedDataset`. The loader measures how long the training
             loop waits for each batch and reports it to the daemon under ``job``.
 
     Resuming: :meth:`state_dict` is the position after the last batch taken (epoch, shard,
     sample); :meth:`load_state_dict` makes the next iteration start there, reading only
     the samples that remain, in the same batches the uninterrupted run would have made.
+    A state merged from every rank's by :func:`cached_client.elastic.elastic_state`
+    resumes on any number of nodes and ranks: the rest of its epoch is spread over them.
     """
 
     def __init__(
@@ -89,6 +93,10 @@ class FastLoader:
         connect_timeout_s: float = 5.0,
         job: str | None = None,
         local_reads: bool | None = None,
+        placement: str = "global",
+        placement_mix: float = 0.0,
+        node: int | None = None,
+        local_world_size: int | None = None,
     ) -> None:
         if batch_size < 1:
             raise UsageError(f"batch_size must be positive, not {batch_size}")
@@ -105,6 +113,13 @@ class FastLoader:
         self.endpoint = resolve_endpoint(socket)
         self.shuffle, self.seed = shuffle, seed
         self.rank, self.world_size = partition.resolve_rank(rank, world_size)
+        placement_module.check_placement(placement, placement_mix)
+        self.placement, self.placement_mix = placement, placement_mix
+        self.local_world_size: int | None = None
+        if placement == "node":
+            self.local_world_size = placement_module.resolve_local_world_size(
+                self.rank, self.world_size, node=node, local_world_size=local_world_size
+            )
         self.equal_batches = equal_batches
         self.inflight = inflight
         self.drop_last = drop_last
@@ -123,6 +138,9 @@ class FastLoader:
         # next iteration to resume.
         self._position: Position | None = None
         self._pending: dict[str, Any] | None = None
+        # A merged state the iteration resumes, and this rank's share of its epoch's rest.
+        self._elastic: dict[str, Any] | None = None
+        self._own: list[partition.Part] | None = None
 
     # -- who reads what -----------------------------------------------------------------------
 
@@ -148,15 +166,24 @@ class FastLoader:
             self._lengths = shard_lengths(self.conn, self.urls, self._stream)
         return self._lengths
 
+    def reader(self) -> placement_module.Reader:
+        """This rank's place in the job (one reader per rank)."""
+        return placement_module.Reader(
+            self.rank,
+            self.world_size,
+            placement=self.placement,
+            local_world_size=self.local_world_size or 1,
+            mix=self.placement_mix,
+        )
+
     def parts(self, epoch: int) -> list[partition.Part]:
         """The shard ranges this rank reads in ``epoch``, in order."""
-        return partition.reader_parts(
+        return placement_module.plan(
             len(self.urls),
+            self.reader(),
             shuffle=self.shuffle,
             seed=self.seed,
             epoch=epoch,
-            stream=self.rank,
-            streams=self.world_size,
             lengths=self.lengths if self.equal_batches else None,
         )
 
@@ -165,10 +192,11 @@ class FastLoader:
         return [self.urls[p.shard] for p in self.parts(epoch)]
 
     def __len__(self) -> int:
-        """Batches per epoch; known only with ``equal_batches`` (every epoch the same)."""
+        """Batches per epoch (of the current one's plan); known only with ``equal_batches``
+        (every epoch the same, unless ``placement_mix`` moves shards between nodes)."""
         if not self.equal_batches:
             raise TypeError("FastLoader has a length only with equal_batches=True")
-        samples = sum(self.lengths()) // self.world_size
+        samples = sum(p.stop - p.start for p in self.parts(self.epoch) if p.stop is not None)
         full, rest = divmod(samples, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
@@ -186,6 +214,9 @@ class FastLoader:
             "shuffle": self.shuffle,
             "seed": self.seed,
             "equal_batches": self.equal_batches,
+            "placement": self.placement,
+            "local_world_size": self.local_world_size,
+            "placement_mix": self.placement_mix,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -194,8 +225,11 @@ class FastLoader:
         the start of the current epoch; after a :meth:`load_state_dict`, that state."""
         if self._pending is not None:
             return dict(self._pending)
+        if self._elastic is not None and self._own is None:
+            return dict(self._elastic)  # not started: the merged state it was loaded from
         position = self._position or Position(self.epoch)
-        return {**self._identity(), **position.state()}
+        own = None if self._own is None else elastic.parts_state(self._own)
+        return {**self._identity(), **position.state(), "own": own}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume the next iteration at ``state`` (from :meth:`state_dict`), and set the
@@ -203,9 +237,13 @@ class FastLoader:
         yields exactly the batches the uninterrupted one would have from there.
 
         Raises :class:`~cached_client.errors.UsageError` if the state was saved by another
-        reader: other shard URLs, seed, shuffle, rank or world size.
+        reader: other shard URLs, seed, shuffle, rank or world size (a state merged by
+        :func:`~cached_client.elastic.elastic_state` resumes on any rank and world size).
         """
-        resume.check(state, self._identity())
+        if isinstance(state, Mapping) and state.get("elastic"):
+            elastic.check(state, self._identity())
+        else:
+            resume.check(state, self._identity())
         if self._active is not None:
             self._active.close()  # an iteration in progress would not follow the state
             self._active = None
@@ -226,6 +264,11 @@ class FastLoader:
             "FastLoader",
             f"set_epoch({self.epoch}) was called after load_state_dict",
         )
+        self._elastic = saved if saved is not None and saved.get("elastic") else None
+        if self._elastic is not None:
+            saved = None
+        own = None if saved is None else saved.get("own")
+        self._own = None if own is None else elastic.parts_from(own)
         # Made here, not at the first batch: state_dict describes this iteration at once.
         position = self._position = Position(self.epoch) if saved is None else Position.saved(saved)
         device = with_index(self.device) if self.device is not None else None
@@ -254,7 +297,16 @@ class FastLoader:
     ) -> Generator[Batch, None, None]:
         conn = self.conn
         conn.open()
-        parts = self.parts(self.epoch)
+        if self._elastic is not None and self._own is None:
+            self._own = elastic.resumed_share(
+                self._elastic,
+                self.reader(),
+                n_shards=len(self.urls),
+                seed=self.seed,
+                epoch=self.epoch,
+                lengths=self.lengths() if self.equal_batches else None,
+            )
+        parts = self._own if self._own is not None else self.parts(self.epoch)
         position.start(parts, "FastLoader")
         # From the position on: all of the epoch, or what a resumed one has left.
         spans, owners = resume.resume_spans(self.urls, parts, position)

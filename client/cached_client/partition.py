@@ -84,14 +84,23 @@ def by_shard(order: Sequence[int], stream: int, streams: int) -> list[Part]:
 
 
 def by_sample(
-    order: Sequence[int], lengths: Sequence[int], stream: int, streams: int
+    order: Sequence[int],
+    lengths: Sequence[int],
+    stream: int,
+    streams: int,
+    *,
+    each: int | None = None,
 ) -> list[Part]:
     """Equal parts: the epoch's samples, laid end to end in shard order, cut into ``streams``
-    contiguous runs of exactly ``total // streams`` samples. The last ``total % streams``
-    samples of the epoch are left out (fewer than ``streams``; which ones moves with the
-    shuffled order). Contiguous runs keep each shard with one or two readers."""
+    contiguous runs of exactly ``total // streams`` samples (or ``each``, at most that).
+    The last ``total % streams`` samples of the epoch are left out (fewer than ``streams``;
+    which ones moves with the shuffled order). Contiguous runs keep each shard with one or
+    two readers."""
     total = sum(lengths[s] for s in order)
-    each = total // streams
+    if each is None:
+        each = total // streams
+    elif each * streams > total:
+        raise UsageError(f"{streams} readers of {each} samples need more than {total}")
     lo, hi = stream * each, (stream + 1) * each
     parts: list[Part] = []
     pos = 0

@@ -48,7 +48,12 @@ _LABELS = {
     "seed": "seed",
     "equal_batches": "equal_batches",
     "shuffle_buffer": "shuffle_buffer",
+    "placement": "placement",
+    "local_world_size": "ranks per node (local_world_size)",
+    "placement_mix": "placement_mix",
 }
+# What a state saved before a field existed holds: its default.
+_DEFAULTS = {"placement": "global", "local_world_size": None, "placement_mix": 0.0}
 
 
 def fingerprint(items: Iterable[object]) -> str:
@@ -73,16 +78,18 @@ def check(state: Any, identity: Mapping[str, Any]) -> None:
             f"this client reads versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
     diffs = [
-        f"{_LABELS.get(key, key)}: saved {state.get(key)!r}, here {value!r}"
+        f"{_LABELS.get(key, key)}: saved {state.get(key, _DEFAULTS.get(key))!r}, here {value!r}"
         for key, value in identity.items()
-        if key != "version" and state.get(key) != value
+        if key != "version" and state.get(key, _DEFAULTS.get(key)) != value
     ]
     if diffs:
         raise UsageError(
             f"cannot resume {loader} from this state: it was saved by another reader ("
             + "; ".join(diffs)
             + "). A state resumes only the reader that saved it: the same shard URLs, seed, "
-            "shuffle, rank, world_size and DataLoader workers"
+            "shuffle, rank, world_size and DataLoader workers. To resume on another number "
+            "of nodes, ranks or workers, load cached_client.elastic.elastic_state(every "
+            "rank's state)"
         )
     for key in ("epoch", "part", "offset"):
         if not isinstance(state[key], int) or state[key] < 0:
@@ -91,6 +98,8 @@ def check(state: Any, identity: Mapping[str, Any]) -> None:
 
 def done(state: Mapping[str, Any]) -> bool:
     """Whether a saved position is at the end of its epoch (nothing left to read)."""
+    if state.get("elastic"):
+        return bool(state.get("done"))
     parts = state.get("parts")
     return parts is not None and state["part"] >= parts and not state.get("buffer")
 
