@@ -388,7 +388,7 @@ class Fetcher:
             priority = DEMAND
         deadline = 0.0
         while True:
-            task = self._join(sid, info, priority)
+            task = await self._join(sid, info, priority)
             if priority == DEMAND:
                 # A reader waits: a download queued as a prefetch goes first now.
                 self._slots.promote(sid, DEMAND)
@@ -444,15 +444,22 @@ class Fetcher:
             if self.resident(latest) is not None:
                 return True
             try:
-                await asyncio.shield(self._join(shard_id(latest), latest, PREFETCH))
+                await asyncio.shield(await self._join(shard_id(latest), latest, PREFETCH))
             except NotAdmitted:
                 return False
             return True
 
         return await self._following_changes(url, PREFETCH, attempt, revalidate=True)
 
-    def _join(self, sid: str, info: ObjectInfo, priority: int) -> asyncio.Task[Shard]:
-        """The download of ``sid`` under way, or a new one at ``priority``."""
+    async def _join(self, sid: str, info: ObjectInfo, priority: int) -> asyncio.Task[Shard]:
+        """The download of ``sid`` under way, or a new one at ``priority``.
+
+        A GET of the URL whose headers are not in yet (an open that did not know the
+        object) is waited for first: it claims the shard's download if the version is the
+        same, and is joined, rather than a second GET of the object beside it."""
+        if info.url in self._opening:
+            with contextlib.suppress(Exception):  # its failure is its own callers' to see
+                await self._open(info.url, priority)
         task = self._inflight.get(sid)
         if task is None or task.done():  # done: its callback has not cleared it yet
             return self._start(sid, info, priority)

@@ -52,6 +52,7 @@ class Peer:
     pid: int | None
     seq: int  # registration order (see Peers.identify)
     requests: int = 0  # taken and not yet answered or dropped (replies waiting included)
+    request_bytes: int = 0  # the frames of its requests being handled
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     # Replies its queue could not take yet, each with the time it is dropped at.
     backlog: deque[tuple[list[Any], float]] = field(default_factory=deque)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import struct
 import time
 import uuid
@@ -85,6 +86,10 @@ T = TypeVar("T")
 # shard's samples, which may ask to be answered only if the shard is resident (D33).
 # "packed": a local read's layout as one binary frame (D34).
 FEATURES = ("release", "whole", "packed")
+# The request frames being handled at once, in bytes, as a multiple of [server]
+# max_request_bytes: past it the request loop waits (each request's frame, and the JSON
+# decoded from it, stay in memory while it is handled).
+REQUEST_BYTES_IN_FLIGHT = 2
 # Messages the request loop takes in a row before it lets the rest of the event loop run.
 YIELD_EVERY = 64
 # A report is a few hundred bytes; a larger request is not one.
@@ -276,6 +281,10 @@ class Server:
         self._chores: set[asyncio.Task[None]] = set()
         metrics.requests_in_flight.set_function(lambda: len(self._tasks) + self._queued)
         self.peers: Peers | None = None
+        # The request frames being handled, in bytes, and their bound (see serve).
+        self._request_bytes = 0
+        self._max_request_bytes_total = REQUEST_BYTES_IN_FLIGHT * bounds.max_request_bytes
+        self._bytes_freed = asyncio.Event()
         # Since when the request loop waits for a slot for the request it took, if it does,
         # and when a request last finished (see stuck_s).
         self._blocked_at: float | None = None
@@ -462,8 +471,21 @@ class Server:
                     self._last_word(header)
                     continue
                 if peer.requests >= most:
-                    self._refuse(peer, header)
+                    self._refuse(peer, header, self._too_many(peer))
                     continue
+                size = len(header)
+                if peer.request_bytes and peer.request_bytes + size > self.bounds.max_request_bytes:
+                    # Large requests one at a time per client: the rest wait in ZeroMQ.
+                    self._refuse(peer, header, self._too_large(peer, size))
+                    continue
+                if self._request_bytes + size > self._max_request_bytes_total:
+                    self._blocked_at = time.monotonic()
+                    while self._request_bytes and (
+                        self._request_bytes + size > self._max_request_bytes_total
+                    ):
+                        self._bytes_freed.clear()
+                        await self._bytes_freed.wait()
+                    self._blocked_at = None
                 if self._active.locked():
                     self._blocked_at = time.monotonic()
                     await self._active.acquire()
@@ -475,10 +497,12 @@ class Server:
                     self._last_word(header)
                     continue
                 peer.requests += 1
+                peer.request_bytes += size
+                self._request_bytes += size
                 task = asyncio.create_task(self._handle(peer, header))
                 self._tasks.add(task)
                 peer.tasks.add(task)
-                task.add_done_callback(functools.partial(self._done, peer))
+                task.add_done_callback(functools.partial(self._done, peer, size))
         finally:
             loop.remove_reader(fd)
             loop.remove_reader(peers.fd)
@@ -496,22 +520,27 @@ class Server:
         except (CachedError, WireProtocolError, ValueError):
             return  # a bad request from a client that is gone: no one to answer
 
-    def _refuse(self, peer: Peer, header: bytes) -> None:
-        """A request from a client at [server] max_requests_per_client: answered
-        ``limit_exceeded`` where its queue takes the reply at once, else dropped."""
-        self.metrics.requests.labels("unknown", "limit_exceeded").inc()
-        if peer.backlog:
-            return  # its queue is full: the answer could only wait, and it is over its bound
-        try:
-            request_id = decode(header).get("id") if len(header) <= DECODE_OFFLOAD_BYTES else None
-        except (WireProtocolError, ValueError):
-            request_id = None
-        message = (
+    def _too_many(self, peer: Peer) -> str:
+        return (
             f"this client has {peer.requests} requests in flight or replies not taken, the "
             f"most one client may have ([server] max_requests_per_client = "
             f"{self.bounds.max_requests_per_client}); take the replies before sending more"
         )
-        reply = error(request_id if isinstance(request_id, int) else None, ErrorCode.LIMIT, message)
+
+    def _too_large(self, peer: Peer, size: int) -> str:
+        return (
+            f"this client's requests being handled hold {peer.request_bytes} bytes; with this "
+            f"one of {size} they would pass [server] max_request_bytes = "
+            f"{self.bounds.max_request_bytes}: send large requests one at a time"
+        )
+
+    def _refuse(self, peer: Peer, header: bytes, message: str) -> None:
+        """A request from a client over one of its bounds (``message`` says which):
+        answered ``limit_exceeded`` where its queue takes the reply at once, else dropped."""
+        self.metrics.requests.labels("unknown", "limit_exceeded").inc()
+        if peer.backlog:
+            return  # its queue is full: the answer could only wait, and it is over its bound
+        reply = error(_id_of(header), ErrorCode.LIMIT, message)
         self._try_send(peer, [peer.ident, encode(reply)])
 
     def _deliver(self, peer: Peer, frames: list[Any]) -> None:
@@ -666,7 +695,10 @@ class Server:
                 self.plan_urls.retain(live)
             self.metrics.streams.set(self.leases.streams())
 
-    def _done(self, peer: Peer, task: asyncio.Task[None]) -> None:
+    def _done(self, peer: Peer, size: int, task: asyncio.Task[None]) -> None:
+        peer.request_bytes -= size
+        self._request_bytes -= size
+        self._bytes_freed.set()
         self._tasks.discard(task)
         self._hints.discard(task)
         self._installs.discard(task)
@@ -956,6 +988,22 @@ class Server:
             self.metrics.served_samples.inc(stop - start)
             self.metrics.served_bytes.inc(nbytes)
         return reply, frames
+
+
+_ID = re.compile(rb'"id":\s*(\d{1,18})\s*[,}]')
+
+
+def _id_of(header: bytes) -> int | None:
+    """A refused request's ``id``, without decoding a large frame: the client library puts
+    it last, and short requests are decoded. None where it cannot be told."""
+    if len(header) <= DECODE_OFFLOAD_BYTES:
+        try:
+            value = decode(header).get("id")
+        except (WireProtocolError, ValueError):
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    found = _ID.search(header, len(header) - 64)
+    return int(found.group(1)) if found else None
 
 
 def _waiting(sock: zmq.Socket[bytes]) -> bool:

@@ -312,6 +312,7 @@ conn = Connection(sys.argv[1])
 announce(conn, "reader-0", sys.argv[3:], job="j")
 conn.request({"op": "open", "url": sys.argv[3], "stream": "reader-0"})
 print("ready", flush=True)
+sys.stdin.readline()  # the test looks at the daemon before this process ends
 if sys.argv[2] == "exit":
     sys.exit(0)
 time.sleep(600)
@@ -332,14 +333,17 @@ def test_the_plans_of_a_process_that_ended_leave_status_after_the_grace(
     with thread_daemon(cfg) as d:
         child = subprocess.Popen(
             [sys.executable, "-c", CLIENT, d.socket, end, *urls],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
         try:
-            assert child.stdout is not None
+            assert child.stdin is not None and child.stdout is not None
             assert child.stdout.readline().strip() == "ready"
             assert [p["job"] for p in d.call(lambda: d.daemon.status()["plans"])] == ["j"]
             assert d.call(lambda: d.daemon.status()["hot"]["pinned_shards"]) == 1
+            child.stdin.write("end\n")
+            child.stdin.flush()
             if end == "SIGKILL":
                 child.send_signal(signal.SIGKILL)
             child.wait(10)
@@ -351,8 +355,9 @@ def test_the_plans_of_a_process_that_ended_leave_status_after_the_grace(
         finally:
             child.kill()
             child.wait()
-            if child.stdout is not None:
-                child.stdout.close()
+            for pipe in (child.stdin, child.stdout):
+                if pipe is not None:
+                    pipe.close()
 
 
 def test_readyz_says_not_ready_while_no_request_slot_frees(
@@ -458,3 +463,34 @@ def test_a_flood_of_requests_leaves_the_daemon_answering_others(
         refused = d.call(d.daemon.metrics.requests.labels("unknown", "limit_exceeded")._value.get)
     assert sent > 10_000 and refused > 0
     assert worst < 2.0, f"a hello and a /healthz took {worst:.2f} s under the flood"
+
+
+def test_large_requests_are_taken_one_at_a_time_per_client(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """Each frame under [server] max_request_bytes, but many at once: a client's large
+    requests are handled one at a time (the others get ``limit_exceeded``), so one client
+    cannot make the daemon hold many large frames, and the JSON decoded from them, at once;
+    another client is answered meanwhile."""
+    limit = 8 << 20
+    cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"server.max_request_bytes": limit})
+    with thread_daemon(cfg) as d:
+        ctx: zmq.Context[Any] = zmq.Context()
+        sock = raw_dealer(ctx, d.socket)
+        try:
+            pad = "x" * (6 << 20)  # a valid request of 6 MiB, its id last (as the client's)
+            for i in range(12):
+                sock.send(encode({"op": "status", "pad": pad, "id": i}))
+            codes: dict[int, str] = {}
+            while sock.poll(3000):  # until the replies stop (refusals may be dropped)
+                reply = decode(sock.recv_multipart()[0])
+                codes[reply["id"]] = "ok" if reply.get("ok") else reply["code"]
+            other = Connection(d.socket)
+            other.request({"op": "hello", "v": PROTOCOL_VERSION})
+            other.close()
+        finally:
+            sock.close(0)
+            ctx.term()
+    assert codes[0] == "ok"
+    assert "limit_exceeded" in codes.values()
+    assert set(codes.values()) <= {"ok", "limit_exceeded"}

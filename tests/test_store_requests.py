@@ -96,12 +96,13 @@ async def running_fetcher(chain: TierChain, tmp_path: Path) -> AsyncIterator[Fet
         await fetcher.stop()
 
 
-async def test_a_shard_found_resident_by_the_gets_version_is_not_downloaded(
+async def test_a_read_joins_the_get_of_an_open_under_way_instead_of_a_second_get(
     s3_server: S3Server, bucket: str, tmp_path: Path, proxy: FaultProxy
 ) -> None:
     """An open whose answer is stale asks with a GET; while its headers are on the way
-    (delayed 1 s), a read that keeps to the version known downloads that very version.
-    The GET's headers then name a resident shard: its body is closed unread."""
+    (delayed 1 s), a read that keeps to the version known waits for them rather than
+    sending a GET of its own beside it: the open's GET brings that version and becomes the
+    one download both get (a double GET of one shard was seen under load, CI 2026-12-02)."""
     body = make_tar([(f"k{i}", {"bin": bytes([i]) * 1_000_000}) for i in range(8)])
     s3_server.put(bucket, "r.tar", body)
     url = f"s3://{bucket}/r.tar"
@@ -115,15 +116,12 @@ async def test_a_shard_found_resident_by_the_gets_version_is_not_downloaded(
         read, read_hit = await fetcher.ensure(url, revalidate=False)
         assert read_hit is False
         shard, hit = await opening
-        assert shard is read and hit is True
+        assert shard is read and hit is False
         m = fetcher.metrics.registry.get_sample_value
         assert m("cached_fetched_bytes_total", {"tier": "warm"}) == len(body)
         assert m("cached_fetches_total", {"tier": "warm", "result": "ok"}) == 1
     gets = [(s.range, s.if_match is not None) for s in proxy.requests("GET")]
-    assert gets == [(None, False), (None, True)]  # the open's GET, the read's If-Match GET
-    # The open's GET was closed after its headers: the proxy is not left writing 8 MB
-    # into a connection nobody reads.
-    await asyncio.to_thread(wait_for, lambda: proxy.in_flight == 0, 5.0)
+    assert gets == [(None, False)]  # the open's GET alone
 
 
 def test_no_room_at_once_closes_the_gets_body_until_there_is_room(
