@@ -1,9 +1,10 @@
 """Requests per cold epoch by method, and the daemon's CPU per MB fetched.
 
-A real ``cached serve`` reads ``--shards`` WebDataset shards from moto's S3 server (its
-own process) through ``CachedDataset`` in a DataLoader with ``--workers`` workers: a cold
-epoch (empty hot tier) and a warm one, a fresh daemon each round. What is counted is
-what the store answered: moto's request log, every GET and HEAD of the bucket's objects.
+A real ``cached serve`` reads ``--shards`` WebDataset shards from the S3 store (``--store``:
+Ceph RGW where it can start here, else moto; bench/stores.py) through ``CachedDataset`` in
+a DataLoader with ``--workers`` workers: a cold epoch (empty hot tier) and a warm one, a
+fresh daemon each round. What is counted is what the store answered (radosgw's ops log,
+or moto's request log): every GET and HEAD of the bucket's objects.
 The daemon's user+system CPU (``/proc/<pid>/stat``) over the cold epoch is divided by
 the bytes it fetched. ``--latency-ms`` puts a delaying proxy between the daemon and the
 store (``bench/shaping.py``'s ``DelayingProxy``): every request then costs a round trip of
@@ -16,6 +17,7 @@ on one machine: the daemon is started with ``PYTHONPATH=DIR:DIR/client``.
     python bench/cold_requests.py                        # 32 shards of 4 MiB, 3 rounds
     python bench/cold_requests.py --baseline /tmp/base   # and another checkout's daemon
     python bench/cold_requests.py --latency-ms 25        # a store 50 ms away
+    python bench/cold_requests.py --store moto           # against moto
     python bench/cold_requests.py --small                # a smoke run for CI
 """
 
@@ -24,11 +26,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import statistics
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import common, shaping
+from bench import common, shaping, stores
 from cached.local import DaemonProcess, write_config
 
 BUCKET = "bench-cold-requests"
@@ -57,6 +57,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--latency-ms", type=float, default=0.0, help="one way, daemon to store")
     p.add_argument("--baseline", type=Path, help="another checkout whose daemon to run too")
     p.add_argument("--small", action="store_true", help="a smoke run: 4 small shards, once")
+    stores.add_argument(p)
     p.add_argument("--out", type=Path, default=common.OUT_DIR, help="where the JSON goes")
     args = p.parse_args(argv)
     if args.small:
@@ -72,20 +73,6 @@ def upload(endpoint: str, shards: common.ShardSet) -> list[str]:
     for path in shards.paths:
         client.put_object(Bucket=BUCKET, Key=path.name, Body=path.read_bytes())
     return [f"s3://{BUCKET}/{p.name}" for p in shards.paths]
-
-
-class StoreLog:
-    """moto's request log: the requests it answered for the bucket's objects, by method."""
-
-    _LINE = re.compile(rf'"(GET|HEAD|PUT|POST|DELETE) /{BUCKET}/[^ ?]+')
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def counts(self) -> Counter[str]:
-        time.sleep(0.3)  # its last lines are written after the answers
-        text = self.path.read_text(errors="replace")
-        return Counter(m.group(1) for m in self._LINE.finditer(text))
 
 
 @contextlib.contextmanager
@@ -119,7 +106,7 @@ def one_round(
     *,
     urls: list[str],
     endpoint: str,
-    store: StoreLog,
+    store: stores.Store,
     work: Path,
     args: argparse.Namespace,
     seed: int,
@@ -144,13 +131,14 @@ def one_round(
     with DaemonProcess(config, socket, env=env) as daemon:
         assert daemon.proc is not None
         for epoch in ("cold", "warm"):
-            asked, cpu, wall = store.counts(), cpu_s(daemon.proc.pid), time.perf_counter()
+            asked = store.requests(BUCKET)
+            cpu, wall = cpu_s(daemon.proc.pid), time.perf_counter()
             fetched = daemon.status()["counters"]["fetched_bytes"]
             samples = read_epoch(socket, urls, args.workers, seed)
             wall = time.perf_counter() - wall
             fetched = daemon.status()["counters"]["fetched_bytes"] - fetched
             cpu = cpu_s(daemon.proc.pid) - cpu
-            now = store.counts()
+            now = store.requests(BUCKET)
             out[epoch] = {
                 "samples": samples,
                 "wall_s": wall,
@@ -182,9 +170,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cold-requests", "cached cold requests: requests per cold epoch by method, CPU per MB"
     )
     doc: dict[str, Any] = {**head, "args": {k: str(v) for k, v in vars(args).items()}}
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     daemons: dict[str, Path | None] = {THIS: None}
     if args.baseline is not None:
         daemons[f"baseline {args.baseline.name}"] = args.baseline.resolve()
@@ -192,11 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         samples = max(1, int(args.shard_mib * 1024 / args.sample_kb)) * args.shards
         shards = common.write_shards(work / "shards", args.shards, samples, args.sample_kb * 1000)
         with (
-            shaping.moto_server(work / "moto.log") as direct,
-            delayed(direct, args.latency_ms / 1000) as endpoint,
+            stores.s3_store(args.store, work) as store,
+            delayed(store.endpoint_url, args.latency_ms / 1000) as endpoint,
         ):
-            urls = upload(direct, shards)
-            store = StoreLog(work / "moto.log")
+            common.log(store.describe())
+            doc["store"] = store.kind
+            urls = upload(store.endpoint_url, shards)
             rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in daemons}
             for seed in range(args.repeats):
                 for name, source in daemons.items():  # in turn: load drifts hit each alike
@@ -216,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"\n{args.shards} shards of {common.human(shards.tar_bytes / args.shards)}, "
         f"{args.workers} DataLoader workers, {args.latency_ms:g} ms one way to the store, "
         f"medians of {args.repeats} round(s); "
-        f"requests per cold epoch as moto answered them; CPU: the daemon's, per MB "
+        f"requests per cold epoch as {store.kind} answered them; CPU: the daemon's, per MB "
         f"fetched in the cold epoch\n" + "\n".join(lines)
     )
     doc["rounds"] = rounds

@@ -1,19 +1,24 @@
 """CPU per MB fetched: what the daemon's fetch path costs, by how the object is checked.
 
 The daemon's S3 source (``cached.sources.s3.S3Source``: aiobotocore, a HEAD then a GET,
-the body streamed to a sink) fetches the same objects from moto's S3 server, which runs
-in a process of its own so that its CPU is not counted. The objects differ only in the
-full-object checksum they were uploaded with:
+the body streamed to a sink) fetches the same objects from the S3 store (``--store``: Ceph
+RGW where it can start here, else moto; bench/stores.py), which runs in processes of its
+own so that its CPU is not counted. The objects differ only in the full-object checksum
+they were uploaded with:
 
   crc32, crc32c, crc64nvme   checked against the store's checksum as the bytes stream in
   none                       no store checksum: the MD5 of the (plain) ETag is checked
   verify off                 ``[s3] verify_checksum = false``: the size alone
+
+Ceph RGW 16.2 keeps no upload checksum (docs/operations.md, "Ceph's RADOS Gateway"): on
+it the three CRC variants are the MD5 path again, so only ``none`` and ``verify off`` run.
 
 For each, the user+system CPU seconds of this process (the event loop and the hashing
 threads) per MB delivered, and the MB/s, medians of ``--repeats`` rounds taken in turn
 (A B C A B C). The sink discards the bytes: what is measured is the fetch, not the disk.
 
     python bench/fetch_cpu.py            # 24 objects of 8 MiB per variant, 5 rounds
+    python bench/fetch_cpu.py --store moto   # the CRC variants, on moto
     python bench/fetch_cpu.py --small    # a smoke run for CI
 """
 
@@ -24,10 +29,8 @@ import asyncio
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,7 +38,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import common
+from bench import common, stores
 from cached.config import load
 from cached.sources.s3 import S3Source
 
@@ -49,33 +52,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--size-mib", type=int, default=8, help="size of each object")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--small", action="store_true", help="a smoke run: 2 objects of 1 MiB, once")
+    stores.add_argument(p)
     args = p.parse_args(argv)
     if args.small:
         args.objects, args.size_mib, args.repeats = 2, 1, 1
     return args
 
 
-def start_moto() -> tuple[subprocess.Popen[bytes], str]:
-    port = common.free_tcp_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(endpoint, timeout=1).close()
-            return proc, endpoint
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("moto's server did not start") from None
-            time.sleep(0.1)
-
-
-def upload(endpoint: str, args: argparse.Namespace) -> None:
+def upload(endpoint: str, variants: Sequence[str], args: argparse.Namespace) -> None:
     import boto3
     from botocore.config import Config
 
@@ -87,7 +71,7 @@ def upload(endpoint: str, args: argparse.Namespace) -> None:
     checked = boto3.client("s3", endpoint_url=endpoint)
     plain.create_bucket(Bucket=BUCKET)
     body = os.urandom(args.size_mib << 20)
-    for variant in VARIANTS:
+    for variant in variants:
         for i in range(args.objects):
             key = f"{variant.replace(' ', '-')}/{i:04d}.tar"
             if variant in ("none", "verify off"):
@@ -132,19 +116,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc: dict[str, Any] = {"machine": common.machine(), "args": vars(args)}
     common.log("cached fetch CPU: CPU per MB of the daemon's S3 source, by checksum")
     common.log(common.machine_line(doc["machine"]))
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    moto, endpoint = start_moto()
-    try:
-        upload(endpoint, args)
-        runs: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
+    with (
+        common.workdir("cached-bench-fetch-cpu-") as work,
+        stores.s3_store(args.store, work) as store,
+    ):
+        common.log(store.describe())
+        doc["store"] = store.kind
+        endpoint = store.endpoint_url
+        # RGW drops upload checksums: its CRC variants would be the MD5 path again.
+        variants = VARIANTS if store.kind == "moto" else ("none", "verify off")
+        upload(endpoint, variants, args)
+        runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
         for _ in range(args.repeats):
-            for variant in VARIANTS:  # in turn, so that load drifts hit each alike
+            for variant in variants:  # in turn, so that load drifts hit each alike
                 runs[variant].append(asyncio.run(fetch_all(endpoint, variant, args)))
-    finally:
-        moto.kill()
-        moto.wait()
     base = statistics.median(ms for ms, _ in runs["none"])
     lines = [f"{'checked by':<12} {'CPU ms/MB':>10} {'MB/s':>8} {'CPU vs MD5':>11}"]
     for variant, got in runs.items():
@@ -152,8 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rate = statistics.median(r for _, r in got)
         lines.append(f"{variant:<12} {ms:>10.2f} {rate:>8.0f} {ms / base:>10.2f}x")
     common.log(
-        f"\n{args.objects} objects of {args.size_mib} MiB per variant, medians of "
-        f"{args.repeats}; load {common.loadavg()}\n" + "\n".join(lines)
+        f"\n{args.objects} objects of {args.size_mib} MiB per variant from {store.kind}, "
+        f"medians of {args.repeats}; load {common.loadavg()}\n" + "\n".join(lines)
     )
     doc["runs"] = runs
     common.write_json("fetch-cpu", doc)

@@ -7,9 +7,9 @@ pipeline has one shard of room less per reader than the hot tier; MIN with that 
 the floor it can reach (``min_slots``); MIN with the whole tier is shown too (``min``).
 
 What runs: a real daemon (``cached.daemon.Daemon``, in a thread of this process, so that
-its hot tier can be watched), shards in moto's S3 server on loopback (its own process) or
-as ``file://`` URLs, and ``CachedDataset`` in a DataLoader with worker processes, shuffled,
-over several epochs. Per epoch it records:
+its hot tier can be watched), shards in an S3 store on loopback (``--store``: RGW or moto,
+bench/stores.py, in their own processes) or as ``file://`` URLs, and ``CachedDataset`` in
+a DataLoader with worker processes, shuffled, over several epochs. Per epoch it records:
 
 - ``fetched``: the daemon's ``fetched_bytes`` counter over the epoch / the dataset;
 - ``for_epoch``: the bytes fetched *for* the epoch: each fetch of the daemon's fetch log
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -56,7 +55,7 @@ if __package__ in (None, ""):
 from cached_client import CachedDataset
 from torch.utils.data import DataLoader
 
-from bench import common, shaping
+from bench import common, stores
 from bench.cache_sim import min_misses
 from cached.config import load
 from cached.daemon import Daemon
@@ -240,8 +239,8 @@ def one_run(
 
 
 def stage(args: argparse.Namespace, work: Path, stack: ExitStack) -> tuple[list[str], str | None]:
-    """The shards: written to ``work`` and, for ``--store s3``, uploaded to moto (its own
-    process, stopped with ``stack``)."""
+    """The shards: written to ``work`` and, unless ``--store file``, uploaded to the S3
+    store (bench/stores.py; RGW or moto, its own processes, stopped with ``stack``)."""
     shards = common.write_shards(work / "shards", args.shards, args.samples, args.sample_size)
     args.dataset = shards.tar_bytes
     args.capacity = int(args.dataset * args.capacity_fraction)
@@ -249,10 +248,10 @@ def stage(args: argparse.Namespace, work: Path, stack: ExitStack) -> tuple[list[
         return shards.urls, None
     import boto3
 
-    # moto takes any key; the daemon's S3 client reads them from the environment.
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    endpoint = stack.enter_context(shaping.moto_server(work / "moto.log"))
+    # The daemon's S3 client reads the store's keys from the environment s3_store sets.
+    store = stack.enter_context(stores.s3_store(args.store, work))
+    common.log(store.describe())
+    endpoint = store.endpoint_url
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     s3.create_bucket(Bucket="volume")
     for path in shards.paths:
@@ -296,7 +295,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=3, help="epochs (3)")
     p.add_argument("--repeats", type=int, default=3, help="runs, one seed each (3)")
     p.add_argument("--first-seed", type=int, default=1, help="the first run's seed (1)")
-    p.add_argument("--store", choices=("s3", "file"), default="s3", help="moto's S3 or file://")
+    p.add_argument(
+        "--store",
+        choices=(*stores.STORES, "file"),
+        default="auto",
+        help="the S3 store (bench/stores.py: auto, rgw, moto) or file:// URLs",
+    )
     p.add_argument("--out", type=Path, default=common.OUT_DIR, help="where the JSON goes")
     return p.parse_args(argv)
 
