@@ -75,6 +75,7 @@ bench: $(STAMP)
 	$(PY) bench/volume.py
 	$(PY) bench/seed.py --repeats 3 --torch-threads 1
 	$(PY) bench/bounds_rss.py
+	$(PY) bench/fetch.py
 
 bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/serve.py --small
@@ -87,6 +88,7 @@ bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/fetch_cpu.py --small
 	$(PY) bench/cold_requests.py --small
 	$(PY) bench/fast_parts.py --small
+	$(PY) bench/fetch.py --small
 	$(PY) bench/volume.py --shards 8 --samples 160 --epochs 2 --repeats 1
 	$(PY) bench/soak.py --small --compare
 	$(PY) bench/seed.py --small

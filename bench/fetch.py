@@ -1,0 +1,428 @@
+"""Fill rate: how fast each S3 client puts a set of objects on local disk, and its CPU per MB.
+
+The daemon's job is to have the next shards in the hot tier before the trainer asks, so
+what bounds a node whose data does not fit is how fast, and at what CPU, the daemon can
+move bytes from the store to its disk. Side by side, in one run, alternated round by
+round, each over the same objects of the same store (``--store``: Ceph RGW where it can
+start here, else moto; bench/stores.py):
+
+  cached            a real ``cached serve`` with an empty hot tier, asked to prefetch every
+                    object (``open`` with ``prefetch``, ``--concurrency`` at once, its
+                    ``[prefetch] concurrency`` set to the same); what it does for a cold
+                    shard: GET, checksum, tar index, the file published atomically
+  awscrt            awscrt's ``S3Client`` (the AWS Common Runtime, native threads), each
+                    object straight to a file (``recv_filepath``)
+  boto3             ``download_file`` (s3transfer's threads), as most scripts fetch a file
+  obstore           obstore's ``get_async`` (Rust, object_store), the body written to a
+                    file; litdata's client
+  s3torchconnector  its ``S3Client.get_object`` (mountpoint-s3-client, CRT), read and
+                    written to a file
+
+Each client but the daemon runs in a subprocess of its own (the peers from
+``.venv-peers``, where they are installed; a client that cannot be imported is skipped
+with one line), which times only its fetches and reports its own user and system CPU for
+them (``getrusage``: every thread of the process). The daemon's CPU is read from
+``/proc/<pid>/stat`` around the prefetch. Fill rate: bytes on disk / wall time, first
+request to last file closed. Kernel time is the same work for every client (socket reads,
+page cache) and varies with the machine's memory state; user time is each client's own.
+
+    python bench/fetch.py                       # 1, 4, 16, 64 MB objects, 1 and 8 at once
+    python bench/fetch.py --sizes 16 --concurrency 4 --repeats 5
+    python bench/fetch.py --small               # a smoke run for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common, stores
+
+ROOT = Path(__file__).resolve().parent.parent
+BUCKET = "bench-fetch"
+WARM = "warm.tar"
+CLIENTS = ("cached", "awscrt", "boto3", "obstore", "s3torchconnector")
+# The peers' packages live in .venv-peers (make venv-peers); awscrt and boto3 come with
+# the daemon's own environment.
+PEERS = {"obstore": "obstore", "s3torchconnector": "s3torchconnector"}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 64], help="object sizes, MB")
+    p.add_argument("--total-mb", type=int, default=256, help="MB of objects per size")
+    p.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 8], help="objects fetched at once"
+    )
+    p.add_argument("--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS))
+    p.add_argument("--repeats", type=int, default=3, help="rounds, clients in turn each")
+    p.add_argument("--small", action="store_true", help="a smoke run: 1 and 4 MB, 8 MB each")
+    p.add_argument("--out", type=Path, default=common.OUT_DIR, help="where the JSON goes")
+    stores.add_argument(p)
+    # Internal: one client's fetches, in a subprocess of its own.
+    p.add_argument("--worker", choices=CLIENTS[1:], help=argparse.SUPPRESS)
+    p.add_argument("--endpoint", help=argparse.SUPPRESS)
+    p.add_argument("--dest", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--keys", nargs="*", default=[], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.small:
+        args.sizes, args.total_mb, args.concurrency, args.repeats = [1, 4], 8, [4], 1
+    if any(n < 1 for n in (*args.sizes, *args.concurrency, args.total_mb, args.repeats)):
+        p.error("sizes, --total-mb, --concurrency and --repeats must be positive")
+    return args
+
+
+# -- the workers: one client each, in a process of its own ------------------------------------
+
+
+def cpu_times() -> tuple[float, float]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Fetch ``args.keys`` into ``args.dest`` with ``args.worker``, ``args.concurrency[0]``
+    at once; print one JSON line: wall, user and system seconds of the fetches alone."""
+    make = {"awscrt": _awscrt, "boto3": _boto3, "obstore": _obstore}.get(
+        args.worker, _s3torchconnector
+    )
+    fetch = make(args.endpoint, args.dest)
+    fetch([WARM], 1)  # set up and warmed (connections, credentials), untimed
+    user0, sys0 = cpu_times()
+    wall0 = time.perf_counter()
+    fetch(args.keys, args.concurrency[0])
+    wall = time.perf_counter() - wall0
+    user, system = cpu_times()
+    print(json.dumps({"wall_s": wall, "user_s": user - user0, "sys_s": system - sys0}))
+    return 0
+
+
+Fetch = Callable[[list[str], int], None]  # (keys, how many at once): each key to a file
+
+
+def _host(endpoint: str) -> str:
+    return endpoint.removeprefix("http://").removeprefix("https://").rstrip("/")
+
+
+def _awscrt(endpoint: str, dest: Path) -> Fetch:
+    from awscrt.auth import AwsCredentialsProvider
+    from awscrt.http import HttpHeaders, HttpRequest
+    from awscrt.io import ClientBootstrap, DefaultHostResolver, EventLoopGroup
+    from awscrt.s3 import S3Client, S3RequestTlsMode, S3RequestType
+
+    elg = EventLoopGroup()
+    bootstrap = ClientBootstrap(elg, DefaultHostResolver(elg))
+    creds = AwsCredentialsProvider.new_static(
+        os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]
+    )
+    # No TLS on loopback: the scheme is http, and the port comes with the Host header.
+    client = S3Client(
+        bootstrap=bootstrap,
+        region="us-east-1",
+        credential_provider=creds,
+        tls_mode=S3RequestTlsMode.DISABLED,
+        part_size=8 << 20,
+    )
+
+    def go(keys: list[str], conc: int) -> None:
+        todo = list(keys)
+        running: list[Any] = []
+        while todo or running:
+            while todo and len(running) < conc:
+                key = todo.pop(0)
+                headers = HttpHeaders([("Host", _host(endpoint))])
+                request = HttpRequest("GET", f"/{BUCKET}/{key}", headers)
+                running.append(
+                    client.make_request(
+                        type=S3RequestType.GET_OBJECT,
+                        request=request,
+                        recv_filepath=str(dest / key.replace("/", "_")),
+                    )
+                )
+            running.pop(0).finished_future.result(300)
+
+    return go
+
+
+def _boto3(endpoint: str, dest: Path) -> Fetch:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+
+    def go(keys: list[str], conc: int) -> None:
+        with ThreadPoolExecutor(conc) as pool:
+            done = pool.map(
+                lambda k: client.download_file(BUCKET, k, str(dest / k.replace("/", "_"))), keys
+            )
+            list(done)
+
+    return go
+
+
+def _obstore(endpoint: str, dest: Path) -> Fetch:
+    import obstore
+    from obstore.store import S3Store
+
+    store = S3Store(
+        BUCKET,
+        endpoint=endpoint,
+        access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+        secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+        region="us-east-1",
+        virtual_hosted_style_request=False,
+        client_options={"allow_http": True},
+    )
+
+    async def one(key: str, gate: asyncio.Semaphore) -> None:
+        async with gate:
+            got = await obstore.get_async(store, key)
+            fd = os.open(dest / key.replace("/", "_"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
+                async for chunk in got.stream():
+                    os.write(fd, chunk)  # a page-cache write, as litdata's
+            finally:
+                os.close(fd)
+
+    async def all_of(keys: list[str], conc: int) -> None:
+        gate = asyncio.Semaphore(conc)
+        await asyncio.gather(*(one(k, gate) for k in keys))
+
+    return lambda keys, conc: asyncio.run(all_of(keys, conc))
+
+
+def _s3torchconnector(endpoint: str, dest: Path) -> Fetch:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from s3torchconnector._s3client import S3Client, S3ClientConfig
+
+    client = S3Client(
+        "us-east-1", endpoint=endpoint, s3client_config=S3ClientConfig(force_path_style=True)
+    )
+
+    def one(key: str) -> None:
+        reader = client.get_object(BUCKET, key)
+        with open(dest / key.replace("/", "_"), "wb") as f:
+            while chunk := reader.read(8 << 20):
+                f.write(chunk)
+
+    def go(keys: list[str], conc: int) -> None:
+        with ThreadPoolExecutor(conc) as pool:
+            list(pool.map(one, keys))
+
+    return go
+
+
+# -- the driver -------------------------------------------------------------------------------
+
+
+def interpreter(client: str) -> str | None:
+    """The Python that has ``client``'s package: this one, or .venv-peers'; None if none."""
+    module = PEERS.get(client)
+    if module is None:
+        return sys.executable
+    for python in (sys.executable, str(ROOT / ".venv-peers" / "bin" / "python")):
+        if not Path(python).exists():
+            continue
+        probe = subprocess.run([python, "-c", f"import {module}"], capture_output=True, check=False)
+        if probe.returncode == 0:
+            return python
+    return None
+
+
+def upload(
+    endpoint: str, sizes: Sequence[int], total_mb: int
+) -> tuple[dict[int, list[str]], dict[int, int]]:
+    """``total_mb`` of WebDataset shards per size (at least one; 100 KB samples of random
+    bytes), keys ``<size>mb/<n>.tar``; and each size's exact object size in bytes."""
+    import boto3
+
+    from cached.local import make_tar
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket=BUCKET)
+    # Fetched first by every client, untimed: connections, credentials, lazy set-up.
+    client.put_object(Bucket=BUCKET, Key=WARM, Body=make_tar([("w", {"bin": b"w" * 1000})]))
+    keys: dict[int, list[str]] = {}
+    nbytes: dict[int, int] = {}
+    for size in sizes:
+        samples = max(1, size * 10 - 1)  # 100 KB each, with headers just under the size
+        body = make_tar([(f"s{i:05d}", {"bin": os.urandom(100_000)}) for i in range(samples)])
+        nbytes[size] = len(body)
+        keys[size] = [f"{size}mb/{i:04d}.tar" for i in range(max(1, total_mb // size))]
+        for key in keys[size]:
+            client.put_object(Bucket=BUCKET, Key=key, Body=body)
+    return keys, nbytes
+
+
+def run_daemon(endpoint: str, keys: list[str], conc: int, work: Path) -> dict[str, float]:
+    """A fresh daemon, an empty hot tier: every key prefetched, ``conc`` opens at once."""
+    from cached_client.protocol import Op
+    from cached_client.transport import Connection
+
+    from cached.local import DaemonProcess, write_config
+
+    run = work / "daemon"
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir()
+    socket = f"ipc://{run}/cached.sock"
+    config = write_config(
+        run / "config.toml",
+        {
+            "server": {"socket": socket, "http": "127.0.0.1:0"},
+            "cache": {"dir": str(run / "hot"), "capacity": "8GiB", "min_free": 0},
+            "s3": {"endpoint_url": endpoint},
+            "prefetch": {"concurrency": conc},
+        },
+    )
+    with DaemonProcess(config, socket, env={"PYTHONSAFEPATH": "1"}) as daemon:
+        assert daemon.proc is not None
+        conn = Connection(socket)
+        try:
+            urls = [f"s3://{BUCKET}/{k}" for k in keys]
+            ticks = os.sysconf("SC_CLK_TCK")
+
+            def cpu() -> tuple[float, float]:
+                path = Path(f"/proc/{daemon.proc.pid}/stat")  # type: ignore[union-attr]
+                fields = path.read_text().rsplit(")", 1)[1].split()
+                return int(fields[11]) / ticks, int(fields[12]) / ticks
+
+            # Warmed first (connections, credentials), untimed, as every client is.
+            conn.request(
+                {"op": Op.OPEN, "url": f"s3://{BUCKET}/{WARM}", "stream": "fill", "pin": False}
+            )
+            user0, sys0 = cpu()
+            wall0 = time.perf_counter()
+            pending: list[int] = []
+            todo = list(urls)
+            while todo or pending:
+                while todo and len(pending) < conc:
+                    request = {"op": Op.OPEN, "url": todo.pop(0), "stream": "fill", "pin": False}
+                    pending.append(conn.send({**request, "prefetch": True}))
+                conn.wait(pending.pop(0))
+            wall = time.perf_counter() - wall0
+            user, system = cpu()
+        finally:
+            conn.close()
+    return {"wall_s": wall, "user_s": user - user0, "sys_s": system - sys0}
+
+
+def run_client(
+    client: str, python: str, endpoint: str, keys: list[str], *, conc: int, work: Path
+) -> dict[str, float]:
+    dest = work / "dest"
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir()
+    done = subprocess.run(
+        [python, str(Path(__file__).resolve()), "--worker", client, "--endpoint", endpoint,
+         "--dest", str(dest), "--concurrency", str(conc), "--keys", *keys],
+        capture_output=True, text=True, check=False, env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"{client} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def check_files(dest: Path, keys: list[str], nbytes: int) -> None:
+    """Every object on disk, whole (a client that says done must have written it all)."""
+    for key in keys:
+        got = (dest / key.replace("/", "_")).stat().st_size
+        if got != nbytes:
+            raise RuntimeError(f"{key}: {got} bytes on disk, not {nbytes}")
+
+
+def table(results: dict[tuple[int, int, str], list[dict[str, float]]], mb: dict[int, float]) -> str:
+    lines = [
+        f"{'size':>5} {'at once':>7} {'client':<17} {'MB/s':>7} {'user ms/MB':>11} "
+        f"{'sys ms/MB':>10} {'rate vs cached':>15} {'user vs cached':>15}"
+    ]
+    for (size, conc, client), runs in results.items():
+        rate = statistics.median(mb[size] / r["wall_s"] for r in runs)
+        user = statistics.median(1000 * r["user_s"] / mb[size] for r in runs)
+        system = statistics.median(1000 * r["sys_s"] / mb[size] for r in runs)
+        base = results.get((size, conc, "cached"))
+        if base:
+            base_rate = statistics.median(mb[size] / r["wall_s"] for r in base)
+            base_user = statistics.median(1000 * r["user_s"] / mb[size] for r in base)
+            ratios = f"{rate / base_rate:>14.2f}x {user / base_user:>14.2f}x"
+        else:
+            ratios = f"{'-':>15} {'-':>15}"
+        lines.append(
+            f"{size:>3}MB {conc:>7} {client:<17} {rate:>7.0f} {user:>11.2f} {system:>10.2f} "
+            + ratios
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args)
+    head, started = common.start_run("fetch", "cached fetch: fill rate and CPU per MB, by client")
+    doc: dict[str, Any] = {**head, "args": {k: str(v) for k, v in vars(args).items()}}
+    pythons: dict[str, str] = {}
+    for client in args.clients:
+        if client == "cached":
+            continue
+        python = interpreter(client)
+        if python is None:
+            common.log(f"{client}: skipped (not importable here or in .venv-peers)")
+        else:
+            pythons[client] = python
+    clients = [c for c in args.clients if c == "cached" or c in pythons]
+    results: dict[tuple[int, int, str], list[dict[str, float]]] = {}
+    with common.workdir("cached-bench-fetch-") as work, stores.s3_store(args.store, work) as store:
+        common.log(store.describe())
+        doc["store"] = store.kind
+        keys, nbytes = upload(store.endpoint_url, args.sizes, args.total_mb)
+        mb = {size: nbytes[size] * len(keys[size]) / 1e6 for size in args.sizes}
+        for size in args.sizes:
+            for conc in args.concurrency:
+                for _ in range(args.repeats):
+                    for client in clients:  # in turn: load drifts hit each alike
+                        if client == "cached":
+                            got = run_daemon(store.endpoint_url, keys[size], conc, work)
+                        else:
+                            got = run_client(
+                                client,
+                                pythons[client],
+                                store.endpoint_url,
+                                keys[size],
+                                conc=conc,
+                                work=work,
+                            )
+                            check_files(work / "dest", keys[size], nbytes[size])
+                        results.setdefault((size, conc, client), []).append(got)
+                        common.log(  # progress: one line a run
+                            f"  {size} MB, {conc} at once, {client}: "
+                            f"{mb[size] / got['wall_s']:.0f} MB/s"
+                        )
+    common.log(
+        f"\n{args.total_mb} MB of objects per size from {store.kind}, medians of "
+        f"{args.repeats} round(s); CPU per MB: the client's own process\n" + table(results, mb)
+    )
+    doc["results"] = [
+        {"size_mb": s, "concurrency": c, "client": n, "runs": r} for (s, c, n), r in results.items()
+    ]
+    common.finish_run("fetch", doc, started, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    common.exit_on_sigterm()
+    sys.exit(main())
