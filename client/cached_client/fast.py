@@ -392,6 +392,8 @@ class _Filling:
             return
         if isinstance(samples, PackedRows):
             raise ProtocolError("a packed layout in a reply that is not local")
+        if local is not None:  # the Python reader: what the compiled one refuses, refused
+            local_module.check_rows(samples, self.used, checked=local.checked())
         places: list[tuple[str, int]] = []  # (ext, at) of each member, in order
         sizes: list[int] = []
         used, offsets, keys = self.used, self.offsets, self.keys

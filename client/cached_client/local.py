@@ -75,6 +75,66 @@ MAX_OPEN_FILES = 32
 MAX_GAP = 64 << 10
 # iovecs per preadv (the kernel's IOV_MAX; 1024 on Linux).
 _IOV_MAX = int(os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
+# The most bytes a member may end at in a file (off_t), and the most one extension's
+# members may add up to in a batch (ssize_t): a member that ends further is in no file
+# (a short read), a layout that adds up further is malformed (_gather.c, BYTES_MAX).
+BYTES_MAX = (1 << 63) - 1
+_U64 = 1 << 64
+
+
+# How a layout that breaks the specification (tests/test_reader_spec.py) is refused, by
+# either reader: ProtocolError(f"{MALFORMED}: ...").
+MALFORMED = "a malformed local layout"
+
+
+def _int_in(value: Any, top: int) -> bool:
+    return isinstance(value, int) and 0 <= value < top
+
+
+def _spans(rows: list[Any], checked: bool) -> Any:
+    """Each member of the JSON ``rows`` of a local reply as (offset, size, checksum or
+    None), in order; raises ProtocolError where a row or a member is not what the
+    compiled reader takes (``_gather.c`` ``layout``): a sample ``[key, members]``, a
+    member ``[ext, size, offset, checksum]``, ``ext`` a string, ``size`` an integer in
+    [0, BYTES_MAX], ``offset`` one in [0, 2^64), ``checksum`` one in [0, 2^64) or None
+    (looked at only where ``checked``)."""
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 2 and isinstance(row[1], list)):
+            raise ProtocolError(f"{MALFORMED}: a sample is not [key, members]")
+        for m in row[1]:
+            if not (isinstance(m, list) and len(m) >= 2 and isinstance(m[0], str)):
+                raise ProtocolError(f"{MALFORMED}: a member is not [ext, size, ...]")
+            size = m[1]
+            if not _int_in(size, BYTES_MAX + 1):
+                raise ProtocolError(f"{MALFORMED}: a member's size of {size!r}")
+            if len(m) < 3 or m[2] is None:
+                raise ProtocolError(f"{MALFORMED}: a member without offset")
+            if not _int_in(m[2], _U64):
+                raise ProtocolError(f"{MALFORMED}: a member's offset of {m[2]!r}")
+            checksum = m[3] if checked and len(m) >= 4 else None
+            if checksum is not None and not _int_in(checksum, _U64):
+                raise ProtocolError(f"{MALFORMED}: a member's checksum of {checksum!r}")
+            yield m[2], size, checksum
+
+
+def check_rows(rows: Any, used: dict[str, int], *, checked: bool) -> None:
+    """The Python reader's check of the JSON layout ``rows`` of a local reply before it lays
+    them out after ``used`` (FastLoader's ``_Filling.receive``): what :func:`laid_out`
+    refuses, refused alike (ProtocolError), and one thing more: an extension's members
+    adding up past :data:`BYTES_MAX` bytes in the batch."""
+    if not isinstance(rows, list):
+        raise ProtocolError(f"{MALFORMED}: the samples are not a list")
+    for _ in _spans(rows, checked):
+        pass
+    total = dict(used)
+    for _key, members in rows:
+        for m in members:
+            end = total.get(m[0], 0) + m[1]
+            if end > BYTES_MAX:
+                raise ProtocolError(
+                    f"{MALFORMED}: an extension's members add up past 2^63 - 1 bytes"
+                )
+            total[m[0]] = end
 
 
 class LocalUnavailable(Exception):
@@ -191,9 +251,8 @@ class LocalPayload:
         """Each member's (offset, size, checksum or None), in order. Made when first
         needed: the compiled reader takes them from its plan instead."""
         # Each member is [ext, size, offset, checksum].
-        members = [m for _key, ms in self._header.get("samples", []) for m in ms]
-        digest = self._digest
-        return [(int(m[2]), int(m[1]), m[3] if digest else None) for m in members]
+        rows = self._header.get("samples", [])
+        return list(_spans(rows if isinstance(rows, list) else [rows], self._digest is not None))
 
     @property
     def checked(self) -> bool:
@@ -210,6 +269,8 @@ class LocalPayload:
             failed = GATHER.read(fd, plan, buffers, 0, len(plan) // _PLACE.size)
         except OSError as exc:
             raise self._failed_read(exc) from None
+        except ValueError as exc:  # a member without its offset (check_rows says the same)
+            raise ProtocolError(f"{MALFORMED}: {exc}") from None
         if failed is not None:
             why, offset = failed
             if why == "short":
@@ -240,13 +301,18 @@ class LocalPayload:
         Members close together in the file (a sample's members, consecutive samples)
         are read by one ``preadv``: the members into their buffers, the tar headers and
         members not asked for between them into a scratch buffer. One system call and
-        one Python round per run, not per member (docs/decisions.md, D26)."""
+        one Python round per run, not per member (docs/decisions.md, D26).
+
+        Failures as the compiled reader's (``_gather.c`` ``read``; the specification is
+        tests/test_reader_spec.py): the members in order, the first that fails is said by
+        its offset: short where its bytes are not all in the file (a member of no bytes
+        never is, one ending past :data:`BYTES_MAX` always is), else a failed checksum."""
         spans = self.spans[first : first + len(buffers)]
         fd = self._files.fd(self._where, self._url)
         gap_of = self._files.gap
         sizes: list[int] = []
-        checks: list[tuple[Any, int, int]] = []
-        run: list[Any] = []
+        run: list[Any] = []  # the iovecs of one preadv
+        members: list[tuple[Any, int, int, int | None]] = []  # what it reads, to check
         start = end = 0
         for (offset, size, checksum), buffer in zip(spans, buffers, strict=False):
             sizes.append(size)
@@ -254,24 +320,36 @@ class LocalPayload:
             if size > room:
                 continue
             target = buffer if room == size else buffer[:size]
-            gap = offset - end
-            if run and not (0 <= gap <= MAX_GAP and len(run) < _IOV_MAX - 1):
-                self._preadv(fd, run, start, end)
-                run = []
-            if not run:
-                start = offset
-            elif gap:
-                run.append(gap_of(gap))
-            run.append(target)
-            end = offset + size
-            if checksum is not None:
-                checks.append((target, offset, checksum))
-        if run:
-            self._preadv(fd, run, start, end)
-        check = self._check
-        for target, offset, checksum in checks:
-            check(target, offset, checksum)
+            if size:
+                if offset > BYTES_MAX - size:  # in no file: after the members before it
+                    self._run(fd, run, start, members)
+                    raise self._short(offset)
+                gap = offset - end
+                if run and not (0 <= gap <= MAX_GAP and len(run) < _IOV_MAX - 1):
+                    self._run(fd, run, start, members)
+                    run, members = [], []
+                if not run:
+                    start = offset
+                elif gap:
+                    run.append(gap_of(gap))
+                run.append(target)
+                end = offset + size
+            members.append((target, offset, size, checksum))
+        self._run(fd, run, start, members)
         return sizes
+
+    def _run(
+        self, fd: int, run: list[Any], start: int, members: list[tuple[Any, int, int, int | None]]
+    ) -> None:
+        """Read one run (its iovecs from ``start``), then its ``members`` in order: the
+        first not all read (the file ended) or failing its checksum raises."""
+        done = self._preadv(fd, run, start) if run else 0
+        limit = start + done
+        check = self._check
+        for target, offset, size, checksum in members:
+            if size and offset + size > limit:
+                raise self._short(offset)
+            check(target, offset, checksum)
 
     def _short(self, offset: int) -> LocalUnavailable:
         return LocalUnavailable(f"{self._where['path']}: short read at {offset}", lasting=False)
@@ -284,22 +362,25 @@ class LocalPayload:
             f"{self._where['path']}: reading it failed: {exc.strerror or exc}", lasting=False
         )
 
-    def _preadv(self, fd: int, run: list[Any], start: int, end: int) -> None:
+    def _preadv(self, fd: int, run: list[Any], start: int) -> int:
         try:
-            done = os.preadv(fd, run, start)
+            return os.preadv(fd, run, start)
         except OSError as exc:
             raise self._failed_read(exc) from None
-        if done != end - start:
-            raise self._short(start)
 
     def read(self, i: int) -> bytes:
         """Member ``i`` as new ``bytes``."""
         offset, size, checksum = self._span(i)
         fd = self._files.fd(self._where, self._url)
-        try:
-            data = os.pread(fd, size, offset)
-        except OSError as exc:
-            raise self._failed_read(exc) from None
+        if not size:
+            data = b""  # never short, wherever it is
+        elif offset > BYTES_MAX - size:
+            raise self._short(offset)  # in no file (and past what pread takes)
+        else:
+            try:
+                data = os.pread(fd, size, offset)
+            except OSError as exc:
+                raise self._failed_read(exc) from None
         if len(data) != size:
             raise self._short(offset)
         self._check(data, offset, checksum)
@@ -346,24 +427,30 @@ def laid_out(
 ) -> bytes:
     """The compiled layout of ``samples`` in a batch (FastLoader's ``_Filling.receive``):
     ``used``, ``offsets`` and ``keys`` extended as the Python loop would; ``exts`` gets
-    the names of the plan's extension indices. Only where :data:`GATHER` is built."""
+    the names of the plan's extension indices, as many as there are. Only where
+    :data:`GATHER` is built. A layout that breaks the specification (check_rows; a packed
+    one that does not hold together) raises ProtocolError, ``used``, ``offsets`` and
+    ``keys`` then being the batch's no more."""
     assert GATHER is not None
     plan: bytes
-    if isinstance(samples, PackedRows):
-        plan = GATHER.layout_packed(
-            samples.frame,
-            samples.exts,
-            samples.first,
-            samples.count,
-            used,
-            offsets,
-            keys,
-            exts,
-            checked,
-        )
-        return plan
-    rows = samples if isinstance(samples, list) else list(samples)
-    plan = GATHER.layout(rows, used, offsets, keys, exts, checked)
+    try:
+        if isinstance(samples, PackedRows):
+            plan = GATHER.layout_packed(
+                samples.frame,
+                samples.exts,
+                samples.first,
+                samples.count,
+                used,
+                offsets,
+                keys,
+                exts,
+                checked,
+            )
+            return plan
+        rows = samples if isinstance(samples, list) else list(samples)
+        plan = GATHER.layout(rows, used, offsets, keys, exts, checked)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"{MALFORMED}: {exc}") from None
     return plan
 
 

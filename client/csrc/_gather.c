@@ -97,10 +97,10 @@ static int member_u64(PyObject *member, Py_ssize_t i, uint64_t *out) {
 }
 
 /* What one layout call keeps of each extension it meets: the bytes used in its buffer
- * (written back to `used` at the end), its offsets list, its index in `exts`. */
-#define MAX_EXTS 64
+ * (written back to `used` at the end), its offsets list, its index in `exts`. As many
+ * as the reply names (any number: the array grows), found by name through `by_name`. */
 struct ext_state {
-    PyObject *name; /* borrowed */
+    PyObject *name; /* borrowed from the layout's members or `names` */
     unsigned long long at;
     PyObject *offs; /* borrowed from `offsets` */
     uint32_t index;
@@ -108,24 +108,64 @@ struct ext_state {
 
 struct layout_state {
     PyObject *used, *offsets, *keys, *exts;
-    struct ext_state ext[MAX_EXTS];
-    int n_ext;
+    PyObject *by_name;   /* name -> its slot in `ext` (a new dict) */
+    PyObject *in_exts;   /* name -> its index in `exts` (a new dict) */
+    struct ext_state *ext;
+    Py_ssize_t n_ext, cap;
 };
 
+/* A file offset or a buffer size that a member's bytes may reach (off_t, ssize_t). */
+#define BYTES_MAX ((uint64_t)INT64_MAX)
+
+static int layout_begin(struct layout_state *st) {
+    st->by_name = PyDict_New();
+    st->in_exts = PyDict_New();
+    if (st->by_name == NULL || st->in_exts == NULL)
+        return -1;
+    Py_ssize_t ne = PyList_GET_SIZE(st->exts);
+    for (Py_ssize_t i = ne - 1; i >= 0; i--) { /* the first of equal names wins */
+        PyObject *index = PyLong_FromSsize_t(i);
+        if (index == NULL)
+            return -1;
+        int failed = PyDict_SetItem(st->in_exts, PyList_GET_ITEM(st->exts, i), index);
+        Py_DECREF(index);
+        if (failed)
+            return -1;
+    }
+    return 0;
+}
+
+static void layout_end(struct layout_state *st) {
+    Py_CLEAR(st->by_name);
+    Py_CLEAR(st->in_exts);
+    PyMem_Free(st->ext);
+    st->ext = NULL;
+}
+
 static struct ext_state *ext_of(struct layout_state *st, PyObject *name, Py_ssize_t n) {
-    for (int i = 0; i < st->n_ext; i++)
+    /* The few extensions of a usual reply: by identity (the names are interned). */
+    Py_ssize_t few = st->n_ext < 8 ? st->n_ext : 8;
+    for (Py_ssize_t i = 0; i < few; i++)
         if (st->ext[i].name == name)
             return &st->ext[i];
-    for (int i = 0; i < st->n_ext; i++) {
-        int same = PyUnicode_Compare(st->ext[i].name, name);
-        if (same == -1 && PyErr_Occurred())
-            return NULL;
-        if (same == 0)
-            return &st->ext[i];
-    }
-    if (st->n_ext == MAX_EXTS) {
-        PyErr_SetString(PyExc_ValueError, "more extensions in one reply than the layout takes");
+    PyObject *slot = PyDict_GetItemWithError(st->by_name, name);
+    if (slot != NULL)
+        return &st->ext[PyLong_AsSsize_t(slot)];
+    if (PyErr_Occurred())
         return NULL;
+    if (st->n_ext == UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "more extensions in one reply than 2^32 - 1");
+        return NULL;
+    }
+    if (st->n_ext == st->cap) {
+        Py_ssize_t cap = st->cap ? 2 * st->cap : 16;
+        struct ext_state *grown = PyMem_Realloc(st->ext, (size_t)cap * sizeof *grown);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        st->ext = grown;
+        st->cap = cap;
     }
     struct ext_state *e = &st->ext[st->n_ext];
     PyObject *was = PyDict_GetItemWithError(st->used, name);
@@ -137,15 +177,33 @@ static struct ext_state *ext_of(struct layout_state *st, PyObject *name, Py_ssiz
     e->offs = offsets_of(st->offsets, name, n);
     if (e->offs == NULL)
         return NULL;
-    Py_ssize_t i = 0, ne = PyList_GET_SIZE(st->exts);
-    for (; i < ne; i++) {
-        int same = PyUnicode_Compare(PyList_GET_ITEM(st->exts, i), name);
-        if (same == -1 && PyErr_Occurred())
+    PyObject *index = PyDict_GetItemWithError(st->in_exts, name);
+    if (index == NULL) {
+        if (PyErr_Occurred())
             return NULL;
-        if (same == 0)
-            break;
+        index = PyLong_FromSsize_t(PyList_GET_SIZE(st->exts));
+        if (index == NULL)
+            return NULL;
+        int failed = PyDict_SetItem(st->in_exts, name, index) < 0 ||
+                     PyList_Append(st->exts, name) < 0;
+        Py_DECREF(index);
+        if (failed)
+            return NULL;
+        index = PyDict_GetItemWithError(st->in_exts, name);
+        if (index == NULL)
+            return NULL;
     }
-    if (i == ne && PyList_Append(st->exts, name) < 0)
+    Py_ssize_t i = PyLong_AsSsize_t(index);
+    if (i < 0 || i > (Py_ssize_t)UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "more extensions in one reply than 2^32 - 1");
+        return NULL;
+    }
+    PyObject *mine = PyLong_FromSsize_t(st->n_ext);
+    if (mine == NULL)
+        return NULL;
+    int failed = PyDict_SetItem(st->by_name, name, mine);
+    Py_DECREF(mine);
+    if (failed)
         return NULL;
     e->name = name;
     e->index = (uint32_t)i;
@@ -159,6 +217,12 @@ static int place(struct layout_state *st, struct place *p, PyObject *name, Py_ss
     struct ext_state *e = ext_of(st, name, n);
     if (e == NULL)
         return -1;
+    /* Sizes and the bytes used add up in 64 bits without wrapping: no buffer, and no
+     * batch, holds more than BYTES_MAX bytes (the Python reader's check_rows says the same). */
+    if (p->size > BYTES_MAX || e->at > BYTES_MAX - p->size) {
+        PyErr_SetString(PyExc_OverflowError, "an extension's members add up past 2^63 - 1 bytes");
+        return -1;
+    }
     p->ext = e->index;
     p->at = e->at;
     e->at += p->size;
@@ -183,7 +247,7 @@ static int end_sample(struct layout_state *st, PyObject *key, Py_ssize_t n, Py_s
 
 /* `used` learns where each extension's bytes now end. */
 static int write_back(struct layout_state *st) {
-    for (int i = 0; i < st->n_ext; i++) {
+    for (Py_ssize_t i = 0; i < st->n_ext; i++) {
         PyObject *end = PyLong_FromUnsignedLongLong(st->ext[i].at);
         if (end == NULL)
             return -1;
@@ -223,6 +287,8 @@ static PyObject *layout(PyObject *self, PyObject *args) {
     PyObject *plan = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(struct place));
     if (plan == NULL)
         return NULL;
+    if (layout_begin(&st) < 0)
+        goto fail;
     struct place *p = (struct place *)PyBytes_AS_STRING(plan);
     for (Py_ssize_t s = 0; s < ns; s++) {
         PyObject *sample = PyList_GET_ITEM(samples, s);
@@ -256,8 +322,10 @@ static PyObject *layout(PyObject *self, PyObject *args) {
     }
     if (write_back(&st) < 0)
         goto fail;
+    layout_end(&st);
     return plan;
 fail:
+    layout_end(&st);
     Py_DECREF(plan);
     return NULL;
 }
@@ -333,6 +401,8 @@ static PyObject *layout_packed(PyObject *self, PyObject *args) {
     plan = PyBytes_FromStringAndSize(NULL, (m1 - m0) * (Py_ssize_t)sizeof(struct place));
     if (plan == NULL)
         goto done;
+    if (layout_begin(&st) < 0)
+        goto fail;
     struct place *p = (struct place *)PyBytes_AS_STRING(plan);
     for (Py_ssize_t s = first; s < first + count; s++) {
         Py_ssize_t n = PyList_GET_SIZE(st.keys);
@@ -366,18 +436,19 @@ static PyObject *layout_packed(PyObject *self, PyObject *args) {
 fail:
     Py_CLEAR(plan);
 done:
+    layout_end(&st);
     PyBuffer_Release(&frame);
     return plan;
 }
 
-static int run_read(int fd, struct iovec *iov, int niov, uint64_t start, uint64_t end,
-                    int *err) {
+/* One preadv of a run; the bytes it got (short only at the file's end), or -1. */
+static ssize_t run_read(int fd, struct iovec *iov, int niov, uint64_t start, int *err) {
+    if (niov == 0)
+        return 0;
     ssize_t got = preadv(fd, iov, niov, (off_t)start);
-    if (got < 0) {
+    if (got < 0)
         *err = errno;
-        return -1;
-    }
-    return (uint64_t)got == end - start ? 0 : 1;
+    return got;
 }
 
 /* read(fd, plan, buffers, first, count) -> None | (why, offset)
@@ -385,8 +456,14 @@ static int run_read(int fd, struct iovec *iov, int niov, uint64_t start, uint64_
  * Members first..first+count of `plan` from the shard file `fd` into `buffers` (one
  * writable buffer per extension index): runs of members at most MAX_GAP apart are one
  * preadv (the bytes between them into a scratch buffer), each member checked against
- * its checksum once its run is in. Returns None, or ("short", offset) /
- * ("checksum", offset) for the first failure; raises OSError. */
+ * its checksum once its run is in. The specification (tests/test_reader_spec.py, which
+ * holds this and the Python reader, local.py LocalPayload.read_many, to it): the members
+ * are taken in order and the first that fails is said, by its offset in the file:
+ * ("short", offset) where its bytes are not all in the file (a member of no bytes never
+ * is; one that ends past 2^63 - 1 always is), ("checksum", offset) where they do not
+ * match its checksum. Returns None when none fails; raises OSError for a failed read,
+ * ValueError (before reading) for a member outside its buffer or without an offset,
+ * IndexError for members outside the plan. */
 static PyObject *read_plan(PyObject *self, PyObject *args) {
     int fd;
     Py_buffer plan;
@@ -406,7 +483,7 @@ static PyObject *read_plan(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    if (first < 0 || count < 0 || first + count > total) {
+    if (first < 0 || count < 0 || first > total || count > total - first) {
         PyErr_SetString(PyExc_IndexError, "members outside the plan");
         goto done;
     }
@@ -417,8 +494,10 @@ static PyObject *read_plan(PyObject *self, PyObject *args) {
     const struct place *places = (const struct place *)plan.buf + first;
     for (Py_ssize_t i = 0; i < count; i++) {
         const struct place *p = &places[i];
+        /* Not p->at + p->size > len: that sum can wrap. */
         if (p->ext >= (uint64_t)nbuf || !(p->flags & HAS_OFFSET) ||
-            p->at + p->size > (uint64_t)views[p->ext].len) {
+            p->size > (uint64_t)views[p->ext].len ||
+            p->at > (uint64_t)views[p->ext].len - p->size) {
             PyErr_SetString(PyExc_ValueError, "a member outside its buffer, or without offset");
             goto done;
         }
@@ -428,28 +507,54 @@ static PyObject *read_plan(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     Py_ssize_t i = 0;
     while (i < count && status == 0) {
-        /* One run: members from i on, in file order, each at most MAX_GAP after the last. */
+        /* One run: members from i on, in file order, each at most MAX_GAP after the last.
+         * A member of no bytes joins any run and adds nothing to it; one that ends past
+         * BYTES_MAX (no file reaches it) ends the run before it, and fails it as short. */
         Py_ssize_t j = i;
-        int niov = 0;
-        uint64_t start = places[i].offset, end = start;
+        int niov = 0, bytes = 0;
+        uint64_t start = 0, end = 0;
         while (j < count && niov < max_iov - 1) {
             const struct place *p = &places[j];
-            if (j > i && (p->offset < end || p->offset - end > MAX_GAP ||
+            if (p->size == 0) {
+                j++;
+                continue;
+            }
+            if (p->size > BYTES_MAX || p->offset > BYTES_MAX - p->size)
+                break;
+            if (bytes && (p->offset < end || p->offset - end > MAX_GAP ||
                           end - start >= RUN_BYTES))
                 break;
+            if (!bytes)
+                start = end = p->offset;
             if (p->offset > end)
                 iov[niov++] = (struct iovec){scratch, (size_t)(p->offset - end)};
             iov[niov++] = (struct iovec){(char *)views[p->ext].buf + p->at, (size_t)p->size};
             end = p->offset + p->size;
+            bytes = 1;
             j++;
         }
-        status = run_read(fd, iov, niov, start, end, &err);
-        if (status != 0) {
+        if (j == i) {
+            /* The run's first member ends past BYTES_MAX. */
+            status = 1;
             bad = i;
             break;
         }
+        ssize_t got = run_read(fd, iov, niov, start, &err);
+        if (got < 0) {
+            status = -1;
+            break;
+        }
+        /* Its members in order: the first whose bytes did not all come, or whose
+         * checksum fails. A short read ends at the file's end: the members after it
+         * (of any bytes) are not in the file either. */
+        uint64_t in = start + (uint64_t)got;
         for (; i < j; i++) {
             const struct place *p = &places[i];
+            if (p->size && p->offset + p->size > in) {
+                status = 1;
+                bad = i;
+                break;
+            }
             if ((p->flags & HAS_CHECKSUM) &&
                 MEMBER_HASH((const char *)views[p->ext].buf + p->at, (size_t)p->size) !=
                     p->checksum) {
