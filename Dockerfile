@@ -15,7 +15,7 @@
 # Debian or CPython patch release. To update (security fixes land in the base):
 #   docker buildx imagetools inspect python:3.11-slim    # the "Digest:" line
 # then replace the digest below, rebuild, and run the tests. Python 3.11 is the floor
-# of pyproject.toml (requires-python, tomllib in deploy/install-daemon.sh).
+# of pyproject.toml (requires-python).
 # BASE can be swapped at build time (`--build-arg BASE=...`): a mirror of this same
 # image, or a local image where no registry is reachable.
 ARG BASE=python:3.11-slim@sha256:1042b61448fef4ba92d16a8c7eb4996d027568ce64792a7877fd88511e0af7c6

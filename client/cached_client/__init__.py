@@ -73,5 +73,14 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        try:
+            module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] != "torch":
+                raise
+            raise ImportError(
+                f"cached_client.{name} needs torch, which is not installed here: "
+                "pip install 'cached-client[torch]' (or torch as your training environment has it)"
+            ) from exc
+        return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

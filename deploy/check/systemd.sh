@@ -153,18 +153,18 @@ ensure_root() {
 # --- the daemon's dependencies as wheels, downloaded on the host -------------------------
 # The container then installs with PIP_NO_INDEX: no package index reachable from inside
 # needed (nor its TLS setup), and a warm run downloads nothing. The requirements are read
-# from the two pyproject.toml files the way deploy/install-daemon.sh reads them, plus the
-# build backend; wheels for the root's Python and glibc, whatever the host's are.
+# from the two pyproject.toml files (cached-client itself is installed from the source),
+# plus the build backend; wheels for the root's Python and glibc, whatever the host's are.
 ensure_wheels() {
     local reqs pyver glibc arch key plat=() m
     reqs=$("$py" - "$repo" <<'PY'
 import sys, tomllib
 src = sys.argv[1]
-for project, skip in (("client", "torch"), (".", "cached-client")):
+for project in ("client", "."):
     with open(f"{src}/{project}/pyproject.toml", "rb") as f:
         meta = tomllib.load(f)
     deps = meta["project"]["dependencies"] + meta["build-system"]["requires"]
-    print("\n".join(d for d in deps if not d.replace(" ", "").startswith(skip)))
+    print("\n".join(d for d in deps if not d.replace(" ", "").startswith("cached-client")))
 PY
 )
     pyver=$(chroot "$root" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -352,6 +352,15 @@ EOF
         pass "install: install.sh in ${took} s; /usr/local/bin/cached -> /opt/cached; $modes; $enabled"
     else
         fail "install: symlink, modes or enable wrong: $modes; $enabled"
+    fi
+    # The daemon's environment: no torch (cached-client's torch is an extra the daemon does
+    # not ask for), and every requirement met (install-daemon.sh ran pip check too).
+    local deps
+    if deps=$(in_container /opt/cached/bin/python -m pip check --disable-pip-version-check 2>&1) &&
+        in_container /opt/cached/bin/python -c 'import importlib.util as u, sys; sys.exit(u.find_spec("torch") is not None)'; then
+        pass "daemon environment: no torch; pip check: $deps"
+    else
+        fail "daemon environment: torch installed, or pip check failed: $deps"
     fi
     # The static user of the unit (User=cached), made by systemd-sysusers from the shipped
     # file: a system uid (below the login range) and its own group.
