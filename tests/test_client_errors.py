@@ -25,6 +25,7 @@ from cached_client import (
     VersionMismatch,
 )
 from cached_client import protocol as wire
+from cached_client.device import require_device
 from cached_client.protocol import Header, encode
 from cached_client.transport import Connection
 from torch.utils.data import DataLoader
@@ -232,10 +233,19 @@ def test_every_exported_error_derives_from_the_base() -> None:
     assert all(str(e("why")) == "why" for e in errors)
 
 
-def test_torch_sees_no_cuda_here() -> None:
-    """The "no-cuda" case above uses an index no machine has, so it holds on GPU nodes too;
-    on this machine bare "cuda" must fail the same way (see test_fast.py)."""
-    assert torch.cuda.device_count() < 99
+def test_a_cuda_device_the_node_lacks_is_refused_on_any_node() -> None:
+    """The "no-cuda" case above uses an index no machine has, so it holds on GPU nodes too.
+    Here: the index one past this node's last device is refused, whatever the node; and
+    where torch sees no CUDA, bare "cuda" is refused the same way (see test_fast.py)."""
+    count = torch.cuda.device_count()
+    with pytest.raises(cached_client.DeviceUnavailable):
+        require_device(f"cuda:{count}")
+    if torch.cuda.is_available():
+        assert require_device("cuda").type == "cuda"
+    else:
+        assert count == 0
+        with pytest.raises(cached_client.DeviceUnavailable, match="CUDA is not available"):
+            require_device("cuda")
 
 
 def test_an_early_reply_is_stashed_and_read_in_place_later(tmp_path: Path) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from cached.config import format_size, load, parse_size
+from cached.config import _ALIASES, _SECTIONS, format_size, load, parse_size
 from cached.errors import ConfigError
 
 
@@ -21,13 +24,43 @@ def test_sizes_parse_from_human_strings() -> None:
             parse_size(bad)
 
 
-def test_example_config_loads_and_matches_defaults() -> None:
-    example = load(Path(__file__).parent.parent / "config.example.toml", env={})
+EXAMPLE = Path(__file__).parent.parent / "config.example.toml"
+
+
+def example_keys(text: str) -> dict[str, set[str]]:
+    """The keys the example lists per section: set (``key = ...``), or shown commented out
+    (``# key = ...``, for keys whose default is unset)."""
+    listed: dict[str, set[str]] = {}
+    section = None
+    for line in text.splitlines():
+        if m := re.fullmatch(r"\[(\w+)\]", line.strip()):
+            section = m[1]
+            listed[section] = set()
+        elif section and (m := re.match(r"#? ?(\w+) = ", line)):
+            listed[section].add(m[1])
+    return listed
+
+
+def test_example_config_lists_every_key_and_matches_defaults() -> None:
+    """The example says "every key is listed, set to its built-in default": a key missing
+    from it would load as its default all the same, so the keys are counted, not only
+    the values compared."""
+    example = load(EXAMPLE, env={})
     defaults = load(None, env={})
     assert example.server == defaults.server
     assert example.cache == defaults.cache
     assert example.s3 == defaults.s3
     assert example.prefetch == defaults.prefetch
+    assert example.cold == defaults.cold
+    text = EXAMPLE.read_text()
+    listed = example_keys(text)
+    set_keys = {section: set(keys) for section, keys in tomllib.loads(text).items()}
+    names = {field: key for key, field in _ALIASES.items()}
+    for section, cls in _SECTIONS.items():
+        keys = {names.get(f.name, f.name) for f in dataclasses.fields(cls)}
+        assert listed.get(section) == keys, (section, keys ^ listed.get(section, set()))
+        # What is set is a real key (the rest is listed only as a comment).
+        assert set_keys[section] <= keys, section
 
 
 def test_file_then_environment_then_flags(tmp_path: Path) -> None:

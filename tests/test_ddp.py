@@ -318,6 +318,7 @@ def test_ddp_fast_loader_equal_batches(cluster: Cluster, tmp_path: Path) -> None
         key: hashlib.sha256(body).hexdigest() for shard in shards for key, body in _bins(shard)
     }
     for r in ranks:
+        assert r["digests"].keys() == set(r["keys"])  # every sample it read was checked
         assert all(expected[k] == d for k, d in r["digests"].items())
 
 

@@ -250,22 +250,43 @@ def test_bytes_stay_right_when_the_daemon_evicts_the_shard_mid_read(
     """A local reader's file stays readable after the daemon unlinks it (a lease that
     lapsed, a forced eviction): the open descriptor keeps the bytes."""
     urls, want = data
+    bucket = urls[0].split("/")[2]
     with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
         conn = Connection(d.socket)
         read = {"op": "read", "url": urls[0], "stream": "t", "count": 10}
         header, frames = conn.request({**read, "start": 0})
-        assert "local" in header  # the reader has the file open now
-        path = Path(header["local"]["path"])
+        assert "local" in header
+        path, ino = Path(header["local"]["path"]), header["local"]["ino"]
+        got = [bytes(f.bytes) for f in frames]  # read from the file: it is open now
+        assert opened(ino), "the reader does not have the shard's file open"
         second = conn.receive(conn.send({**read, "start": 10}))  # answered, not yet taken
         hot = d.daemon.hot
         d.call(lambda: hot._evict(hot.get(path.stem, access=False)))
+        deadline = time.monotonic() + 30
         while path.exists() or list(hot.dir.glob("*.evicted")):  # unlinked in a thread
-            pass
-        rest = second.frames()
-        got = [bytes(f.bytes) for f in frames + rest]
+            assert time.monotonic() < deadline, "the evicted file was never unlinked"
+            time.sleep(0.01)
+        got += [bytes(f.bytes) for f in second.frames()]
+        assert opened(ino)  # still the same open file, now unlinked
+        served, local = d.served()
         conn.close()
     keys = [f"s0000-{i:05d}" for i in range(20)]
     assert got[0::2] == [want[k] for k in keys]  # bin, cls, bin, cls...
+    # Every byte came from that file: no read fell back to the socket, which would have
+    # had the daemon fetch the evicted shard again.
+    assert local == served > 0
+    assert s3_server.count("GET", f"/{bucket}/shard-0000.tar") == 1
+
+
+def opened(ino: int) -> bool:
+    """Whether this process holds the file of inode ``ino`` open (unlinked or not)."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.stat(f"/proc/self/fd/{fd}").st_ino == ino:
+                return True
+        except OSError:
+            pass  # closed meanwhile (another thread's)
+    return False
 
 
 def in_mount_namespace(

@@ -16,6 +16,7 @@ from cached_client.errors import RemoteError
 from cached_client.protocol import decode, encode
 from cached_client.transport import Connection
 
+from cached import prefetcher
 from cached.policy import LRUPolicy
 from cached.tiers.hot import HotTier
 from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, serve_config, thread_daemon
@@ -25,15 +26,24 @@ from tests.test_daemon import upload
 
 
 def test_one_missing_url_in_a_plan_does_not_stop_prefetch(
-    s3_server: S3Server, bucket: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    s3_server: S3Server,
+    bucket: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The issue's probe: 4 good shards behind one missing URL are all prefetched, the
-    missing one is warned about once, and a second plan naming it changes nothing."""
+    missing one is warned about once, however often it is tried again, and a second plan
+    naming it changes nothing."""
+    # The lookup is retried after 0.1 s, 0.2 s, 0.4 s... instead of 5 s, 10 s...: several
+    # retries (each a chance to warn again) within the test.
+    monkeypatch.setattr(prefetcher, "LOOKUP_BACKOFF_S", 0.1)
     urls = upload(s3_server, bucket, dataset_shards(4, 5))
     missing = f"s3://{bucket}/missing.tar"
     cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"prefetch.lookahead": "1GiB"})
     caplog.set_level(logging.WARNING, logger="cached.prefetcher")
     with thread_daemon(cfg) as d:
+        failed = d.daemon.metrics.prefetches.labels("lookup_failed")
         conn = Connection(d.socket)
         conn.request({"op": "plan", "plan": "p1", "urls": [missing, *urls], "job": "j"})
         deadline = time.monotonic() + 20
@@ -42,8 +52,13 @@ def test_one_missing_url_in_a_plan_does_not_stop_prefetch(
         status = d.call(d.daemon.status)
         assert status["hot"]["shards"] == 4
         conn.request({"op": "plan", "plan": "p2", "urls": [missing], "job": "j"})
-        time.sleep(1.5)  # a few scans
+        # Tried again and again (the second plan's included), failing each time.
+        deadline = time.monotonic() + 30
+        while d.call(failed._value.get) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tries = d.call(failed._value.get)
         conn.close()
+    assert tries >= 4
     warnings = [r.getMessage() for r in caplog.records if missing in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert "other shards go on" in warnings[0]

@@ -248,8 +248,12 @@ def test_prefetches_wait_until_the_readers_first_shard_is_in(
             time.sleep(1.0)
             during = [r.path for r in link.requests("GET")]
             reader.join(10)
+            # The first shard is in: now the prefetcher brings the others, while the
+            # reader is still at its first shard (it asks for its next one only).
+            brought = wait_prefetched(d, set(urls), prefetches=len(urls[2:]))
             rest = [s["__key__"] for s in it]
     assert got == ["s0000-00000"] and len(rest) == 59
+    assert brought == set(urls)
     # Before: the first shard's GET and two prefetches (of shards 1 and 2) at once; with
     # the hold but not its grace, the next shard's GET while the first was looked up.
     assert [p.rsplit("/", 1)[1] for p in during] == ["shard-0000.tar"], during
@@ -258,7 +262,7 @@ def test_prefetches_wait_until_the_readers_first_shard_is_in(
 def test_prefetch_brings_only_what_can_stay_until_it_is_read(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
-    """A plan of 12 shards over a hot tier of 4: the prefetcher brings the soonest that fit
+    """A plan of 12 shards over a hot tier of 6: the prefetcher brings the soonest that fit
     together and asks for nothing beyond them. Before, its window ran to the lookahead (1
     GiB here), so every shard past the tier's room was tried again and again, and brought
     in whenever room came free: as the furthest-needed shard resident, the first to go
@@ -268,18 +272,45 @@ def test_prefetch_brings_only_what_can_stay_until_it_is_read(
     cfg = daemon_config(
         tmp_path,
         s3_server.endpoint_url,
-        **{"cache.capacity": str(capacity_for(4, size)), "prefetch.lookahead": "1GiB"},
+        **{"cache.capacity": str(capacity_for(6, size)), "prefetch.lookahead": "1GiB"},
     )
     with thread_daemon(cfg) as d:
         ds = CachedDataset(urls, socket=d.socket)
         it = iter(ds)
         next(it)  # the plan is announced; the reader stays at its first shard
-        time.sleep(2.5)  # two rescans at least
+        # The prefetcher brings the shards after the reader's next one (which the reader
+        # asks for itself): it counts a download's reservation for each shard in its
+        # window, so the four soonest, not the six the tier holds once they are in.
+        brought = wait_prefetched(d, set(urls[:4]), prefetches=len(urls[2:4]))
+        time.sleep(2.5)  # two rescans at least: time to ask for more, were it to
         refused = d.daemon.metrics.prefetches.labels("not_admitted")._value.get()
-        resident = {s.url for s in d.call(lambda: list(d.daemon.hot.resident()))}
+        resident = resident_urls(d)
+        beyond = sum(s3_server.count("GET", url.removeprefix("s3:/")) for url in urls[6:])
         assert len([s for s in it]) == 12 * 8 - 1
-    assert resident <= set(urls[:4]), resident
+    assert set(urls[:4]) <= brought <= set(urls[:6]), brought
+    assert set(urls[:4]) <= resident <= set(urls[:6]), resident
+    assert beyond == 0  # nothing past them was fetched (and evicted again) meanwhile
     assert refused == 0
+
+
+def resident_urls(d: Any) -> set[str]:
+    """The URLs of the shards resident in the hot tier of the thread daemon ``d``."""
+    return {s.url for s in d.call(lambda: list(d.daemon.hot.resident()))}
+
+
+def wait_prefetched(d: Any, urls: set[str], prefetches: int, timeout_s: float = 20.0) -> set[str]:
+    """Wait until ``urls`` are resident in the hot tier of the thread daemon ``d`` and its
+    prefetcher has brought at least ``prefetches`` shards. (A reader's open ahead fetches
+    by itself only after ``[cache] pin_wait_s``, 30 s here.) Returns what is resident."""
+    done = d.daemon.metrics.prefetches.labels("ok")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        resident = resident_urls(d)
+        if urls <= resident and d.call(done._value.get) >= prefetches:
+            break
+        time.sleep(0.05)
+    assert d.call(done._value.get) >= prefetches, "the prefetcher did not bring them"
+    return resident
 
 
 def wait_fraction(socket: str, urls: list[str], compute_s: float) -> float:
@@ -349,12 +380,11 @@ def test_eviction_spares_shards_in_use_and_the_bound_holds_under_prefetch(
                 ds.set_epoch(epoch)
             assert [len(k) for k in read_together(jobs)] == [18 * 8, 18 * 8]
         evictions = d.call(lambda: d.daemon.status()["counters"]["evictions"])
-        m = d.daemon.metrics
-        served, local = d.call(
-            lambda: (m.served_bytes._value.get(), m.local_read_bytes._value.get())
-        )
+        # The bytes read from the files: the local replies, less those whose reader could
+        # not use them and asked again through the socket.
+        served, local = d.served()
     assert evictions > 0  # the tier was under pressure
-    assert local == served > 0  # every byte read from the files
+    assert local == served > 0  # every byte read from the files, none through the socket
     assert evicted_in_use == []
     assert 0 < watch.max_bytes <= capacity
 
