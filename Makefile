@@ -12,7 +12,7 @@ PEERS_PY    := $(PEERS_VENV)/bin/python
 PEERS_STAMP := $(PEERS_VENV)/.installed
 PEERS_PINS  := bench/peers-constraints.txt
 
-.PHONY: demo test check lint types unit venv-peers bench bench-small bench-peers bench-peers-small soak gpu-check deploy-lint deploy-check system-deps test-rgw clean
+.PHONY: demo test check lint types unit venv-peers bench bench-small bench-peers bench-peers-small soak gpu-check deploy-lint deploy-check compose-check system-deps test-rgw clean
 
 $(STAMP): pyproject.toml client/pyproject.toml client/setup.py client/csrc/_gather.c
 	$(PYTHON) -m venv $(VENV)
@@ -122,11 +122,11 @@ gpu-check: $(STAMP)
 system-deps:
 	deploy/check/system-deps.sh
 
-# The deployment files, checked without running them: hadolint on the Dockerfile,
+# The deployment files, checked without running them: hadolint on the Dockerfiles,
 # `docker-compose config` on the compose file, every Kubernetes manifest against the
 # Kubernetes schemas in strict mode.
 deploy-lint: $(STAMP) system-deps
-	$(VENV)/bin/hadolint Dockerfile deploy/compose/trainer.Dockerfile deploy/compose/moto.Dockerfile
+	$(VENV)/bin/hadolint Dockerfile deploy/compose/trainer.Dockerfile deploy/compose/moto.Dockerfile deploy/compose/rgw.Dockerfile
 	deploy/check/compose-config.sh
 	deploy/check/prometheus.sh
 	$(PY) deploy/check/k8s.py
@@ -136,6 +136,13 @@ deploy-lint: $(STAMP) system-deps
 # Needs root and systemd-nspawn; elsewhere it says so in one line and skips.
 deploy-check: $(STAMP) system-deps
 	deploy/check/systemd.sh
+
+# The docker-compose stack run for real (deploy/check/compose.sh): Debian's docker engine, every
+# image built on a debootstrap root imported as the base, Ceph's RGW in MinIO's place; checks
+# that dataset-init and the trainer exit 0 and, on the daemon's /metrics, that it served every
+# sample as local reads. Needs root, dockerd and docker-compose; elsewhere one line, and skips.
+compose-check: $(STAMP) system-deps
+	deploy/check/compose.sh
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .mypy_cache .ruff_cache .demo

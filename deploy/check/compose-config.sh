@@ -19,7 +19,8 @@ unset MINIO_IMAGE MC_IMAGE MINIO_ROOT_USER MINIO_ROOT_PASSWORD CACHED_CACHE_CAPA
       CACHED_PREFETCH_LOOKAHEAD TORCH_SPEC TORCH_INDEX_URL COMPOSE_FILE COMPOSE_PROFILES
 
 checked=()
-for files in "docker-compose.yml" "docker-compose.yml deploy/compose/s3-moto.yml"; do
+for files in "docker-compose.yml" "docker-compose.yml deploy/compose/s3-moto.yml" \
+    "docker-compose.yml deploy/compose/s3-rgw.yml"; do
     args=()
     for f in $files; do args+=(-f "$f"); done
     # COMPOSE_PROFILES=tools: Compose v2 checks the `tools` service (mc) only when its
@@ -32,4 +33,4 @@ for files in "docker-compose.yml" "docker-compose.yml deploy/compose/s3-moto.yml
     checked+=("$files")
 done
 version=$("$compose" version --short 2>/dev/null || echo '?')
-echo "compose-config: ok ($compose $version config: ${checked[0]}; ${checked[1]})"
+echo "compose-config: ok ($compose $version config: $(IFS=';'; echo "${checked[*]}"))"
