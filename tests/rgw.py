@@ -87,7 +87,8 @@ def free_port() -> int:
         return port
 
 
-def _config(root: Path, fsid: str, mon_port: int, rgw_port: int, frontend: str) -> str:
+def _config(root: Path, fsid: str, mon_port: int, rgw: str, frontend: str) -> str:
+    """ceph.conf; ``rgw``: radosgw's ``host:port``."""
     return f"""\
 [global]
 fsid = {fsid}
@@ -144,7 +145,7 @@ osd fast shutdown notify mon = false
 osd max object size = 4294967296
 
 [client.rgw]
-rgw frontends = beast endpoint=127.0.0.1:{rgw_port} {frontend}
+rgw frontends = beast endpoint={rgw} {frontend}
 rgw thread pool size = 64
 # Pitfall: deleted and overwritten objects wait for garbage collection 2 h by default;
 # on MemStore their bytes stay in RAM all that time. Collect after seconds.
@@ -175,16 +176,27 @@ class RGW:
     access_key: str = ACCESS_KEY
     secret_key: str = SECRET_KEY
     pids: dict[str, int] = field(default_factory=dict)
+    #: The name of a daemon of the cluster that has exited, or None while all run.
+    exited: Callable[[], str | None] = lambda: None
 
     @classmethod
     @contextmanager
-    def start(cls, root: Path | None = None, *, port: int = 0, frontend: str = "") -> Iterator[RGW]:
+    def start(
+        cls,
+        root: Path | None = None,
+        *,
+        port: int = 0,
+        frontend: str = "",
+        host: str = "127.0.0.1",
+        access_key: str = ACCESS_KEY,
+        secret_key: str = SECRET_KEY,
+    ) -> Iterator[RGW]:
         """Start mon, OSD and radosgw in ``root`` (a new temporary folder if None) on
-        ``port`` (a free one if 0), create the S3 user, wait until it serves, and stop
-        everything afterwards, radosgw first. ``frontend``: more options of the beast
-        frontend (``request_timeout_ms=200``: idle connections closed after 0.2 s). Raises
-        :class:`RGWUnavailable` (one line) if it cannot start here, or ``RuntimeError``
-        with the tail of the failing daemon's log."""
+        ``host:port`` (a free port if 0), create the S3 user with the keys given, wait
+        until it serves, and stop everything afterwards, radosgw first. ``frontend``: more
+        options of the beast frontend (``request_timeout_ms=200``: idle connections closed
+        after 0.2 s). Raises :class:`RGWUnavailable` (one line) if it cannot start here, or
+        ``RuntimeError`` with the tail of the failing daemon's log."""
         why = unavailable()
         if why:
             raise RGWUnavailable(why)
@@ -192,10 +204,18 @@ class RGW:
             if root is None:
                 root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rgw-")))
             rgw_port = port or free_port()
-            cluster = _Cluster(root, free_port(), rgw_port, frontend)
+            keys = (access_key, secret_key)
+            cluster = _Cluster(root, free_port(), rgw_port, frontend, host, keys)
             stack.callback(cluster.stop)
             cluster.start()
-            yield cls(root, f"http://127.0.0.1:{rgw_port}", pids=cluster.pids)
+            yield cls(
+                root,
+                f"http://127.0.0.1:{rgw_port}",
+                access_key,
+                secret_key,
+                pids=cluster.pids,
+                exited=cluster.exited,
+            )
 
     def log(self, name: str = "client.rgw", lines: int = 20) -> str:
         """The last ``lines`` of a daemon's log (``mon.a``, ``osd.0``, ``client.rgw``)."""
@@ -208,9 +228,19 @@ class RGW:
 class _Cluster:
     """The processes, started and stopped in order."""
 
-    def __init__(self, root: Path, mon_port: int, rgw_port: int, frontend: str) -> None:
+    def __init__(  # noqa: PLR0917
+        self,
+        root: Path,
+        mon_port: int,
+        rgw_port: int,
+        frontend: str,
+        host: str,
+        keys: tuple[str, str],
+    ) -> None:
         self.root = root
         self.frontend = frontend
+        self.host = host
+        self.keys = keys
         self.conf = root / "ceph.conf"
         self.mon_port = mon_port
         self.rgw_port = rgw_port
@@ -245,7 +275,8 @@ class _Cluster:
         for sub in ("run", "log", "mon.a", "osd.0"):
             (root / sub).mkdir(parents=True, exist_ok=True)
         fsid = str(uuid.uuid4())
-        self.conf.write_text(_config(root, fsid, self.mon_port, self.rgw_port, self.frontend))
+        rgw = f"{self.host}:{self.rgw_port}"
+        self.conf.write_text(_config(root, fsid, self.mon_port, rgw, self.frontend))
         monmap = str(root / "monmap")
         self._run(
             "monmaptool", "--create", "--fsid", fsid, "--addv", "a",
@@ -266,8 +297,8 @@ class _Cluster:
         # its next request. Its keys are the tests' AWS_ACCESS_KEY_ID/SECRET.
         self._run(
             "radosgw-admin", "-n", "client.rgw", "user", "create", "--uid", "testing",
-            "--display-name", "cached tests", "--access-key", ACCESS_KEY,
-            "--secret", SECRET_KEY,
+            "--display-name", "cached tests", "--access-key", self.keys[0],
+            "--secret", self.keys[1],
         )  # fmt: skip
 
     def _wait_http(self) -> None:
@@ -289,6 +320,10 @@ class _Cluster:
                 raise RuntimeError(f"radosgw not serving after {START_TIMEOUT_S:.0f} s: "
                                    f"{self._tail('client.rgw')}")  # fmt: skip
             time.sleep(0.05)
+
+    def exited(self) -> str | None:
+        """The name of a daemon that has exited, or None."""
+        return next((n for n, p in self.procs.items() if p.poll() is not None), None)
 
     def _tail(self, name: str) -> str:
         text = ""
@@ -403,6 +438,18 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m tests.rgw", description=main.__doc__)
     ap.add_argument("--port", type=int, default=7480, help="radosgw's port (0: any free)")
     ap.add_argument("--dir", type=Path, help="keep the cluster's files here (default: temp)")
+    ap.add_argument("--host", default="127.0.0.1", help="radosgw's address (0.0.0.0: all)")
+    ap.add_argument(
+        "--access-key",
+        default=os.environ.get("RGW_ACCESS_KEY", ACCESS_KEY),
+        help="the S3 user's access key ($RGW_ACCESS_KEY, else testing)",
+    )
+    ap.add_argument(
+        "--secret-key",
+        default=os.environ.get("RGW_SECRET_KEY", SECRET_KEY),
+        help="the S3 user's secret key ($RGW_SECRET_KEY, else testing)",
+    )
+    ap.add_argument("--ready-file", type=Path, help="created once it serves (a healthcheck)")
     args = ap.parse_args(argv)
     why = unavailable()
     if why:
@@ -411,7 +458,8 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     t0 = time.monotonic()
-    with RGW.start(args.dir, port=args.port) as rgw:
+    keys = {"access_key": args.access_key, "secret_key": args.secret_key}
+    with RGW.start(args.dir, port=args.port, host=args.host, **keys) as rgw:
         print(
             f"RGW ready in {time.monotonic() - t0:.1f} s (Ctrl-C stops it)\n"
             f"  endpoint    {rgw.endpoint_url}   (path-style addressing)\n"
@@ -421,7 +469,15 @@ def main(argv: list[str] | None = None) -> None:
             f"  files       {rgw.root}",
             flush=True,
         )
-        stopping.wait()
+        if args.ready_file:
+            args.ready_file.parent.mkdir(parents=True, exist_ok=True)
+            args.ready_file.touch()
+        # Until a signal, or until a daemon exits: then the others are stopped and the
+        # exit status is 1 (a container's restart policy, `docker compose ps`, see it).
+        while not stopping.wait(0.5):
+            if (gone := rgw.exited()) is not None:
+                print(f"{gone} exited: {rgw.log(gone, 5)}", flush=True)
+                raise SystemExit(1)
         print("stopping (radosgw, then the OSD, then the monitor)", flush=True)
 
 

@@ -18,9 +18,15 @@ RUN apt-get update \
       ceph-mon ceph-osd radosgw ceph-common \
  && apt-get clean \
  && rm -rf /var/lib/apt/lists/*
-COPY rgw-entrypoint.sh /usr/local/bin/rgw-entrypoint
+# The cluster's start and stop: the very script the S3-facing tests start it with (its
+# comments explain each setting and the stop order), standard library only. Built from the
+# repository's root (.dockerignore lets this file in).
+COPY tests/rgw.py /opt/rgw/rgw.py
 # The S3 API, path-style addressing (http://minio:9000/BUCKET/KEY in the stack).
 EXPOSE 9000
 # Root in the container: the Ceph daemons run as root here (no ceph user set up, no
 # systemd); nothing but the S3 port is reachable from outside the container.
-ENTRYPOINT ["/usr/local/bin/rgw-entrypoint"]
+# The S3 user's keys: $RGW_ACCESS_KEY / $RGW_SECRET_KEY (s3-rgw.yml passes MinIO's). Ready
+# (the healthcheck's /run/rgw/ready) once the user exists; SIGTERM stops radosgw, then the
+# OSD, then the monitor; a daemon that exits ends the container with status 1.
+ENTRYPOINT ["python3", "/opt/rgw/rgw.py", "--host", "0.0.0.0", "--port", "9000", "--ready-file", "/run/rgw/ready"]
