@@ -154,11 +154,12 @@ boot() {
     done
     local state=""
     # Right after init starts, systemctl may find no bus yet ("Failed to connect to bus",
-    # no state printed): ask again until it answers (then --wait waits for the boot).
+    # no state printed), or no /run/systemd/system yet ("offline": seen once in CI under
+    # load): ask again until it answers (then --wait waits for the boot).
     for _ in $(seq 100); do
         [ -n "$leader" ] || break
         state=$(T=120 in_container systemctl is-system-running --wait 2>/dev/null || true)
-        [ -n "$state" ] && break
+        [ -n "$state" ] && [ "$state" != offline ] && break
         kill -0 "$nspawn_pid" 2>/dev/null || break
         sleep 0.2
     done
