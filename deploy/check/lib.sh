@@ -66,6 +66,17 @@ remove_tree() {
     rm -rf --one-file-system "$dir"
 }
 
+# A debootstrap that ensure_root started and an interrupt cut short: its whole session
+# (dpkg in the chroot too) ended, TERM and then KILL, before its directory is removed.
+stop_debootstrap() {
+    [ -n "${debootstrap_pid:-}" ] || return 0
+    kill -TERM -- "-$debootstrap_pid" 2>/dev/null
+    for _ in $(seq 50); do kill -0 -- "-$debootstrap_pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL -- "-$debootstrap_pid" 2>/dev/null
+    wait "$debootstrap_pid" 2>/dev/null
+    debootstrap_pid=""
+}
+
 # --- the Debian root, built once ----------------------------------------------------------
 # Built into a temporary directory and renamed when complete, so an interrupted build is
 # never reused; its leftovers (.build-* older than two hours) are removed on a later run.

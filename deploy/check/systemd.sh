@@ -216,12 +216,7 @@ cleanup() {
         kill -KILL "$s3_pid" 2>/dev/null
         wait "$s3_pid" 2>/dev/null
     fi
-    if [ -n "${debootstrap_pid:-}" ]; then
-        kill -TERM -- "-$debootstrap_pid" 2>/dev/null
-        for _ in $(seq 50); do kill -0 -- "-$debootstrap_pid" 2>/dev/null || break; sleep 0.1; done
-        kill -KILL -- "-$debootstrap_pid" 2>/dev/null
-        wait "$debootstrap_pid" 2>/dev/null
-    fi
+    stop_debootstrap
     [ -n "${building:-}" ] && remove_tree "$building" && rm -f "$building".{log,reqs}
     [ -n "${work:-}" ] && rm -rf "$work"
     exit "$rc"
