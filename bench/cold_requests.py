@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import time
@@ -88,8 +87,7 @@ def delayed(endpoint: str, latency_s: float) -> Iterator[str]:
 
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(common.process_cpu(pid))
 
 
 def read_epoch(socket: str, urls: list[str], workers: int, seed: int) -> int:

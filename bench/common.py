@@ -228,6 +228,13 @@ def free_tcp_port() -> int:
         return port
 
 
+def process_cpu(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of process ``pid`` so far (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / ticks, int(fields[12]) / ticks
+
+
 class Daemon(DaemonProcess):
     """``cached serve`` for a benchmark: its config, log and hot tier in ``workdir``."""
 
@@ -254,8 +261,7 @@ class Daemon(DaemonProcess):
     def cpu_s(self) -> float:
         """User + system CPU seconds the daemon process has used so far."""
         assert self.proc is not None
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return sum(process_cpu(self.proc.pid))
 
     def prefetch(self, urls: Sequence[str]) -> float:
         """``cached prefetch URL...`` into this daemon's hot tier; returns seconds taken."""

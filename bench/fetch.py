@@ -295,18 +295,13 @@ def run_daemon(endpoint: str, keys: list[str], conc: int, work: Path) -> dict[st
         conn = Connection(socket)
         try:
             urls = [f"s3://{BUCKET}/{k}" for k in keys]
-            ticks = os.sysconf("SC_CLK_TCK")
-
-            def cpu() -> tuple[float, float]:
-                path = Path(f"/proc/{daemon.proc.pid}/stat")  # type: ignore[union-attr]
-                fields = path.read_text().rsplit(")", 1)[1].split()
-                return int(fields[11]) / ticks, int(fields[12]) / ticks
+            pid = daemon.proc.pid
 
             # Warmed first (connections, credentials), untimed, as every client is.
             conn.request(
                 {"op": Op.OPEN, "url": f"s3://{BUCKET}/{WARM}", "stream": "fill", "pin": False}
             )
-            user0, sys0 = cpu()
+            user0, sys0 = common.process_cpu(pid)
             wall0 = time.perf_counter()
             pending: list[int] = []
             todo = list(urls)
@@ -316,7 +311,7 @@ def run_daemon(endpoint: str, keys: list[str], conc: int, work: Path) -> dict[st
                     pending.append(conn.send({**request, "prefetch": True}))
                 conn.wait(pending.pop(0))
             wall = time.perf_counter() - wall0
-            user, system = cpu()
+            user, system = common.process_cpu(pid)
         finally:
             conn.close()
     return {"wall_s": wall, "user_s": user - user0, "sys_s": system - sys0}
