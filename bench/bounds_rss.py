@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 from cached_client.protocol import PROTOCOL_VERSION, decode, encode
 
-from cached.local import DaemonProcess, write_config
+from cached.demo.stack import DaemonProcess, write_config
 
 
 def rss_mib(pid: int) -> float:

@@ -36,7 +36,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common, shaping, stores
-from cached.local import DaemonProcess, write_config
+from cached.demo.stack import DaemonProcess, write_config
 
 BUCKET = "bench-cold-requests"
 THIS = "this checkout"

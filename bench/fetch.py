@@ -252,7 +252,7 @@ def upload(
     bytes), keys ``<size>mb/<n>.tar``; and each size's exact object size in bytes."""
     import boto3
 
-    from cached.local import make_tar
+    from cached.demo.tars import make_tar
 
     client = boto3.client("s3", endpoint_url=endpoint)
     client.create_bucket(Bucket=BUCKET)
@@ -275,7 +275,7 @@ def run_daemon(endpoint: str, keys: list[str], conc: int, work: Path) -> dict[st
     from cached_client.protocol import Op
     from cached_client.transport import Connection
 
-    from cached.local import DaemonProcess, write_config
+    from cached.demo.stack import DaemonProcess, write_config
 
     run = work / "daemon"
     shutil.rmtree(run, ignore_errors=True)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cached_client.transport import Connection
 
 from bench.common import finish_run, log, start_run, workdir
-from cached.local import DaemonProcess, write_config
+from cached.demo.stack import DaemonProcess, write_config
 
 PROBE_EVERY_S = 0.01
 

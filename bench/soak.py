@@ -85,7 +85,8 @@ if __package__ in (None, ""):
 
 from bench import common, hostile
 from cached.config import parse_size
-from cached.local import DaemonProcess, make_tar, s3_endpoint, write_config
+from cached.demo.stack import DaemonProcess, s3_endpoint, write_config
+from cached.demo.tars import make_tar
 
 BUCKET = "soak"
 PREFIX = "train"

@@ -151,9 +151,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "prefetch":
         return _prefetch(_client_socket(args), args.urls)
     if args.command == "diagnose":
-        from . import diagnose
+        from cached_client.diagnose.run import run as diagnose_main
 
-        return diagnose.run(
+        return diagnose_main(
             _client_socket(args),
             args.urls,
             step_ms=args.step_ms,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cached_client import units
 from cached_client.protocol import DEFAULT_SOCKET
 
 from .errors import ConfigError
@@ -55,13 +56,9 @@ def parse_size(value: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def format_size(n: float) -> str:
-    """Format bytes for humans: ``1536 -> '1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+# Bytes for humans (``1536 -> '1.5 KiB'``): the daemon's and `cached diagnose`'s one function,
+# which lives in the client (the client never imports the daemon).
+format_size = units.format_size
 
 
 def _size(default: str) -> Any:

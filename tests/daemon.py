@@ -16,7 +16,8 @@ import pytest
 
 from cached.config import Config, load
 from cached.daemon import Daemon
-from cached.local import DaemonProcess, daemon_in_thread, make_tar, write_config
+from cached.demo.stack import DaemonProcess, daemon_in_thread, write_config
+from cached.demo.tars import make_tar
 
 
 def isolate_env(mp: pytest.MonkeyPatch) -> None:

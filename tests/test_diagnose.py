@@ -20,22 +20,16 @@ from typing import Any
 import pytest
 from cached_client import CachedDataset
 from cached_client.device import StallMeter
+from cached_client.diagnose.measure import measure
+from cached_client.diagnose.measurements import Measurements
+from cached_client.diagnose.model import BOTTLENECKS, Inputs, epoch, predict
+from cached_client.diagnose.report import render, report
+from cached_client.diagnose.store import Open, classify
 from cached_client.transport import Connection
+from cached_client.units import format_size
 from torch.utils.data import DataLoader
 
-from cached.config import format_size
 from cached.demo import decode_sample, make_shard
-from cached.diagnose import (
-    BOTTLENECKS,
-    Inputs,
-    Measurements,
-    epoch,
-    measure,
-    predict,
-    render,
-    report,
-)
-from cached.diagnose.store import Open, classify
 from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, serve_config, thread_daemon
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server
@@ -150,7 +144,7 @@ def test_a_healthy_setup_is_diagnosed_none(
 def test_the_prediction_matches_a_real_training_run_on_the_demo_dataset(
     s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
-    """The demo's dataset (16 shards x 256 images, cached/demo.py) behind a 3 MB/s store,
+    """The demo's dataset (16 shards x 256 images, cached.demo.make_shard) behind a 3 MB/s store,
     a cold cache, 2 workers, the demo's decode, batch 64, a 20 ms step: diagnose, then
     train one epoch (a loop that sleeps the step per batch) and compare the wait."""
     for i in range(16):

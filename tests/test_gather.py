@@ -22,7 +22,7 @@ from cached_client.buffers import Slot
 from cached_client.fast import _Filling
 from cached_client.local import LocalFiles, LocalRead, LocalUnavailable
 
-from cached.local import make_tar
+from cached.demo.tars import make_tar
 from cached.server import _packed_layout
 from cached.tiers.index import Member, Sample, ShardIndex
 

@@ -26,7 +26,7 @@ from cached_client.transport import Connection
 
 from cached.config import Config
 from cached.daemon import Daemon
-from cached.local import daemon_in_thread
+from cached.demo.stack import daemon_in_thread
 from cached.tiers.hot import HotTier
 from tests.daemon import daemon_config, dataset_shards, thread_daemon
 from tests.faultproxy import FaultProxy

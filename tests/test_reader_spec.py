@@ -80,7 +80,7 @@ from cached_client.local import (
 )
 from cached_client.protocol import PACKED_MEMBER
 
-from cached.local import make_tar
+from cached.demo.tars import make_tar
 from tests.daemon import daemon_config, thread_daemon
 from tests.s3server import S3Server
 from tests.test_daemon import upload

@@ -20,8 +20,8 @@ from cached_client.reader import read_shard
 from cached_client.transport import Connection
 from torch.utils.data import DataLoader
 
+from cached.demo.tars import make_tar
 from cached.fetcher import Fetcher
-from cached.local import make_tar
 from cached.metrics import Metrics
 from cached.policy import LRUPolicy
 from cached.sources.chain import TierChain

@@ -24,9 +24,9 @@ from cached_client.transport import Connection
 from torch.utils.data import DataLoader
 
 from bench.cache_sim import offline_min
+from cached.demo.tars import make_tar
 from cached.errors import CacheFull
 from cached.fetcher import DEMAND, PREFETCH, PrioritySlots
-from cached.local import make_tar
 from cached.policy import LRUPolicy
 from cached.sources.base import ObjectInfo
 from cached.tiers.hot import HotTier, reservation_bytes

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.peers_systems import base
-from cached.local import DaemonProcess, write_config
+from cached.demo.stack import DaemonProcess, write_config
 
 
 @dataclass

@@ -9,9 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cached_client.errors import UsageError
-from cached_client.urls import expand_all
-
+from ..errors import UsageError
+from ..urls import expand_all
 from .measure import measure
 from .model import Inputs, predict
 from .rates import Decode

@@ -14,7 +14,7 @@ import pwd
 import socket
 import stat
 
-from .protocol import SOCKET_ENV
+from ..protocol import SOCKET_ENV
 
 _NOT_RUNNING = "is `cached serve` running?"
 

@@ -9,14 +9,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cached_client.errors import UsageError
-from cached_client.local import choose
-from cached_client.protocol import Op
-from cached_client.transport import Connection
-from cached_client.urls import expand_all
-
-from ..config import format_size
-from ..errors import CachedError
+from ..errors import DaemonTimeout, UsageError
+from ..local import choose
+from ..protocol import Op
+from ..transport import Connection
+from ..units import format_size
+from ..urls import expand_all
 from .measurements import DEFAULT_CONCURRENCY, Measurements
 from .rates import Decode, decode_rate, disk_rate, fast_rate, loader_rate, read_samples, run_readers
 from .store import STORE_MAX_COLD, classify, probe, resident_files, store_rate
@@ -169,7 +167,7 @@ def _measure(
     answered = [o.header for o in opens if o.header is not None]
     if not answered:
         waited = probed.ended - began
-        raise CachedError(
+        raise DaemonTimeout(
             f"no shard of the dataset arrived within {waited:.0f} s ({slots} "
             "downloads at once), so there is nothing to size the shards by: the store is "
             "that slow for these shards; warm a few first (cached prefetch) or raise --budget"

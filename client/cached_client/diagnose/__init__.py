@@ -18,8 +18,8 @@ credentials), and measures, within a time budget:
 - **the fast path**: one process receiving the same shards in place, as ``FastLoader``
   does.
 
-A pure model (:func:`predict`, numbers in, numbers out) turns those rates, the step time
-and the dataset's residency into the share of loop time waiting for data over the next
+A pure model (:func:`.model.predict`, numbers in, numbers out) turns those rates, the step
+time and the dataset's residency into the share of loop time waiting for data over the next
 epoch, names the bottleneck (``store``, ``hot_tier``, ``transport``, ``decode`` or
 ``none``) and predicts each lever: more workers, a larger lookahead, a hot tier that holds
 the dataset, the fast path. docs/observability.md ("Diagnosing one dataset") has the
@@ -27,33 +27,21 @@ formulas and how well they predict a real run.
 
 The rooms, data flowing one way: :mod:`.measure` runs the measurements (:mod:`.store`:
 the store and the residency; :mod:`.rates`: reads, disk, decode, loader, fast path) into
-:class:`Measurements` (:mod:`.measurements`, plain data); :mod:`.model` turns them into a
-:class:`Prediction`; :mod:`.report` prints it; :mod:`.run` is the command, from end to end.
-``python -m cached.diagnose --worker`` (:mod:`.__main__`) is the reader process of the
-transport measurement.
+``Measurements`` (:mod:`.measurements`, plain data); :mod:`.model` turns them into a
+``Prediction`` (``predict``); :mod:`.report` prints it; :mod:`.run` is the command, from end
+to end (``cached diagnose`` in the daemon's CLI calls ``run.run``). ``python -m
+cached_client.diagnose --worker`` (:mod:`.__main__`) is the reader process of the transport
+measurement. :mod:`.units`: how sizes, rates and times read.
+
+One more room, which every client uses: :mod:`.unreachable`, why a daemon gave no handshake
+(:mod:`cached_client.transport` imports :func:`explain_unreachable` from here). So importing
+this package stays cheap: it imports that room alone, and the measurement's rooms are
+imported by their module (``from cached_client.diagnose.run import run``); none of them
+imports torch or numpy at import time. They are not re-exported lazily either: ``measure``,
+``report`` and ``run`` are each a module's name and its function's, and a submodule
+imported first would shadow its function here.
 """
 
-from .measure import measure
-from .measurements import LoaderRate, Measurements, ReadRate, StoreRate
-from .model import BOTTLENECKS, Epoch, Inputs, Lever, Prediction, epoch, predict
-from .report import render, report
-from .run import load_decode, run
+from .unreachable import explain_unreachable
 
-__all__ = [
-    "BOTTLENECKS",
-    "Epoch",
-    "Inputs",
-    "Lever",
-    "LoaderRate",
-    "Measurements",
-    "Prediction",
-    "ReadRate",
-    "StoreRate",
-    "epoch",
-    "load_decode",
-    "measure",
-    "predict",
-    "render",
-    "report",
-    "run",
-]
+__all__ = ["explain_unreachable"]

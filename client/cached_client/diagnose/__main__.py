@@ -1,5 +1,5 @@
-"""``python -m cached.diagnose --worker``: a reader process of the transport measurement
-(:func:`cached.diagnose.rates.run_readers` starts them)."""
+"""``python -m cached_client.diagnose --worker``: a reader process of the transport
+measurement (:func:`cached_client.diagnose.rates.run_readers` starts them)."""
 
 import sys
 

@@ -11,11 +11,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from cached_client.errors import UsageError
-
-from ..config import format_size
+from ..errors import UsageError
+from ..units import format_ms, format_rate, format_size, format_us
 from .measurements import DEFAULT_CONCURRENCY, Measurements
-from .units import format_ms, format_rate, format_us
 
 # The share of loop time waiting below which training is not input-bound.
 WAIT_THRESHOLD = 0.05

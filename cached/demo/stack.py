@@ -1,21 +1,20 @@
 """A local stack on one machine, for ``cached demo``, the tests and the benchmarks: an
-S3-compatible endpoint on loopback, TOML configs, WebDataset tars, and ``cached serve``
-as a real subprocess."""
+S3-compatible endpoint on loopback, TOML configs, and ``cached serve`` as a real subprocess
+(or a daemon in a thread of this process). The WebDataset tars to put in it:
+:func:`cached.demo.tars.make_tar`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import json
 import os
 import signal
 import subprocess
 import sys
-import tarfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -24,8 +23,8 @@ from cached_client.protocol import Op
 from cached_client.transport import Connection
 
 if TYPE_CHECKING:
-    from .config import Config
-    from .daemon import Daemon
+    from ..config import Config
+    from ..daemon import Daemon
 
 
 @contextlib.contextmanager
@@ -35,7 +34,7 @@ def daemon_in_thread(
     """A daemon on its own event loop in a background thread of this process (so that a
     test or a benchmark can look into it), and that loop; stopped (drained, closed) at
     the end. An error while it starts is raised here."""
-    from .daemon import Daemon
+    from ..daemon import Daemon
 
     started = threading.Event()
     holder: dict[str, Any] = {}
@@ -78,18 +77,6 @@ def s3_endpoint() -> Iterator[str]:
         yield f"http://{host}:{port}"
     finally:
         server.stop()
-
-
-def make_tar(samples: Iterable[tuple[str, Mapping[str, bytes]]]) -> bytes:
-    """A WebDataset tar: for each ``(key, {ext: bytes})`` the members ``key.ext``."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        for key, members in samples:
-            for ext, data in members.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
 
 
 def write_config(path: Path, cfg: Mapping[str, Mapping[str, Any]]) -> Path:

@@ -8,10 +8,9 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from ..config import format_size
+from ..units import format_ms, format_size, format_us
 from .measurements import Measurements
 from .model import Inputs, Prediction, steady_store_share, store_share
-from .units import format_ms, format_us
 
 
 def _finite(v: float) -> float | None:

@@ -19,11 +19,10 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from cached_client.errors import UsageError, check_reply
-from cached_client.local import choose
-from cached_client.reader import Span, pipelined_reads, raw_samples
-from cached_client.transport import Connection
-
+from ..errors import UsageError, check_reply
+from ..local import choose
+from ..reader import Span, pipelined_reads, raw_samples
+from ..transport import Connection
 from .measurements import LoaderRate, ReadRate
 
 # CachedDataset's and FastLoader's read requests in flight per reader.
@@ -89,7 +88,7 @@ def read_for(conn: Connection, urls: Sequence[str], stream: str, seconds: float)
 
 
 def worker_main() -> int:
-    """A reader process of the transport measurement (``python -m cached.diagnose
+    """A reader process of the transport measurement (``python -m cached_client.diagnose
     --worker``): a job line in, ``ready``, wait for ``go``, read for the job's seconds, a
     result line out."""
     job = json.loads(sys.stdin.readline())
@@ -113,9 +112,9 @@ def _readline(stream: IO[str], timeout_s: float) -> str:
 def run_readers(
     socket: str, urls: Sequence[str], readers: int, seconds: float
 ) -> tuple[ReadRate | None, str]:
-    """``readers`` reader processes (``python -m cached.diagnose --worker``) read ``urls``
-    through the daemon at once for ``seconds``, each its own shards; returns the rates,
-    or None and why."""
+    """``readers`` reader processes (``python -m cached_client.diagnose --worker``) read
+    ``urls`` through the daemon at once for ``seconds``, each its own shards; returns the
+    rates, or None and why."""
     procs: list[subprocess.Popen[str]] = []
     results: list[dict[str, Any]] = []
     try:
@@ -128,7 +127,7 @@ def run_readers(
                 "stream": f"diagnose-{uuid.uuid4().hex[:8]}/w{i}",
             }
             proc = subprocess.Popen(
-                [sys.executable, "-m", "cached.diagnose", "--worker"],
+                [sys.executable, "-m", "cached_client.diagnose", "--worker"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -273,8 +272,9 @@ def loader_rate(
     time to take a batch that is ready (the hop from the workers). None and why when torch
     is not installed here. ``per_pass``: the samples of ``urls``."""
     try:
-        from cached_client import CachedDataset
         from torch.utils.data import DataLoader
+
+        from .. import CachedDataset
     except ImportError as exc:
         return None, f"torch cannot be imported here: {exc}"
     # The same shards again, so that an epoch outlasts the measurement at ``expect``

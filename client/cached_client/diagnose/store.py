@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cached_client.errors import DaemonTimeout
-from cached_client.protocol import Op
-from cached_client.transport import Connection
-
+from ..errors import DaemonTimeout
+from ..protocol import Op
+from ..transport import Connection
 from .measurements import StoreRate
 
 # At most this many cold shards fetched to measure the store (the daemon keeps them: they

@@ -9,6 +9,10 @@ waited for, bytes fetched from S3, and the share of time the loop waited for dat
 With ``$CACHED_DEMO_SCREENSHOT`` set to a path (or ``screenshot=``), a headless Chromium
 saves a PNG of the daemon's dashboard there while the last epoch trains
 (docs/dashboard.png is one).
+
+The package's other rooms serve the tests and the benchmarks as well: :mod:`.stack` (the
+local stack: moto's S3 server, TOML configs, ``cached serve`` as a subprocess or a daemon in
+a thread) and :mod:`.tars` (WebDataset tars written in memory).
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CachedError
-from .local import make_tar
+from ..errors import CachedError
+from .tars import make_tar
 
 IMAGE_SHAPE = (3, 32, 32)
 CLASSES = 10
@@ -84,7 +88,7 @@ def _start_screenshot(http: str, path: Path) -> Callable[[], str]:
     """Save a PNG of the dashboard at ``http`` to ``path``, in a thread: the browser takes a
     second or two to start, and the training goes on meanwhile. Returns a function that
     waits for it and says how it went (printed after the epochs' table, not inside it)."""
-    from .browser import capture
+    from ..browser import capture
 
     # Rendered, with at least two history samples (so the charts have a line).
     ready = (
@@ -151,8 +155,8 @@ def main(
     require_demo_extras()
     screenshot = screenshot or os.environ.get(SCREENSHOT_ENV) or None
     shot = Path(screenshot).resolve() if screenshot else None
-    from .config import format_size
-    from .local import DaemonProcess, s3_endpoint
+    from ..config import format_size
+    from .stack import DaemonProcess, s3_endpoint
 
     tmp = tempfile.TemporaryDirectory(prefix="cached-demo-") if workdir is None else None
     root = Path(tmp.name if tmp else workdir or ".")
@@ -207,7 +211,7 @@ def _train(socket: str, urls: str, epochs: int, workers: int, shot: Path | None)
     from torch import nn
     from torch.utils.data import DataLoader
 
-    from .config import format_size
+    from ..config import format_size
 
     dataset = CachedDataset(
         urls, socket=socket, shuffle=True, seed=0, decode=decode_sample, job="demo"
