@@ -59,6 +59,9 @@ class Peer:
     flusher: asyncio.Task[None] | None = None
     gone: bool = False
     warned: bool = False
+    # The client's name for its connection (its hello's ``session``): its heartbeats,
+    # sent on a socket of their own, renew what this connection holds.
+    session: str = ""
 
     def describe(self) -> str:
         """For log lines: the user and process where known."""

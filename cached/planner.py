@@ -197,6 +197,15 @@ class Planner:
             self._changed()
         return lapsed
 
+    def touch(self, keys: Sequence[str]) -> None:
+        """The readers of the plans under ``keys`` are alive (a heartbeat): their plans
+        do not lapse while they read from files without a request, or pause."""
+        now = self.clock()
+        for key in keys:
+            plan = self._plans.get(key)
+            if plan is not None:
+                plan.seen = now
+
     def drop(self, keys: list[str]) -> list[Plan]:
         """Unpublish the plans under ``keys`` (their reader went away) and return them; their
         index entries go with :meth:`unindexing`."""

@@ -84,14 +84,21 @@ T = TypeVar("T")
 # "release": an open or read may carry the URLs whose pins the stream gives back, which
 # saves a local reader one ``close`` request per shard (D26). "whole": a read of all of a
 # shard's samples, which may ask to be answered only if the shard is resident (D33).
-# "packed": a local read's layout as one binary frame (D34).
-FEATURES = ("release", "whole", "packed")
+# "packed": a local read's layout as one binary frame (D34). "heartbeat": a client's
+# heartbeat (its own socket, naming its connection's session) renews the connection's
+# leases and plans and carries the instance (issue 21).
+FEATURES = ("release", "whole", "packed", "heartbeat")
+# A session name: what a client calls its connection in its hello.
+_SESSION = re.compile(r"[0-9A-Za-z_-]{8,64}")
 # The request frames being handled at once, in bytes, as a multiple of [server]
 # max_request_bytes: past it the request loop waits (each request's frame, and the JSON
 # decoded from it, stay in memory while it is handled).
 REQUEST_BYTES_IN_FLIGHT = 2
 # Messages the request loop takes in a row before it lets the rest of the event loop run.
 YIELD_EVERY = 64
+# Whole-shard layouts kept per resident shard (see _kept_if_whole): a reader's kind
+# (JSON for CachedDataset, packed for FastLoader), for the extension lists asked last.
+MAX_KEPT_LAYOUTS = 4
 # A report is a few hundred bytes; a larger request is not one.
 MAX_REPORT_BYTES = 4096
 # URLs one request may release (a reader holds a few pins at a time).
@@ -133,6 +140,16 @@ class Leases:
         now = time.monotonic()
         self._held[key] = (shard, now + self.timeout_s, client)
         self._active[stream] = now
+
+    def renew_client(self, client: bytes) -> int:
+        """Refresh every lease ``client`` holds (its heartbeat); returns how many."""
+        until = time.monotonic() + self.timeout_s
+        keys = self.quota.keys_of(client)
+        for key in keys:
+            held = self._held.get(cast(tuple[str, str], key))
+            if held is not None:
+                self._held[cast(tuple[str, str], key)] = (held[0], until, client)
+        return len(keys)
 
     def release(self, stream: str, shard_id: str) -> None:
         """Drop the stream's lease on a shard, if any."""
@@ -300,6 +317,10 @@ class Server:
         self.bound_endpoint = endpoint
         # Changes with every start: a client that sees a new one re-sends what it lost.
         self.instance = uuid.uuid4().hex
+        # Connections by the session their hello named (see _heartbeat); one each.
+        self._sessions: dict[str, Peer] = {}
+        # How often a client's heartbeat comes: well within a lease, at most every 2 s.
+        self.heartbeat_s = max(0.05, min(2.0, lease_timeout_s / 4))
 
     async def __aenter__(self) -> Server:
         gid = None
@@ -629,6 +650,8 @@ class Server:
         peer.backlog.clear()
         if peer.flusher is not None:
             peer.flusher.cancel()
+        if peer.session and self._sessions.get(peer.session) is peer:
+            del self._sessions[peer.session]
         self._release_held(peer)
 
     def _release_held(self, peer: Peer) -> None:
@@ -794,7 +817,11 @@ class Server:
                     "max_request_bytes": self.bounds.max_request_bytes,
                     "max_requests_per_client": self.bounds.max_requests_per_client,
                 },
+                "heartbeat_s": self.heartbeat_s,
+                **self._session_of(header, client),
             }, []
+        if op == Op.HEARTBEAT:
+            return self._heartbeat(header, client), []
         if op == Op.OPEN:
             return await self._open(header, client), []
         if op == Op.READ:
@@ -811,6 +838,40 @@ class Server:
             self.jobs.report(Report.parse(header))
             return {}, []
         raise ProtocolError(f"unknown op {op!r}; expected one of {', '.join(Op)}")
+
+    def _session_of(self, header: Header, client: Peer) -> Header:
+        """A hello that names a session binds it to this connection (again after a
+        restart of ours, or a reconnect of the client's)."""
+        session = header.get("session")
+        if session is None:
+            return {}
+        if not isinstance(session, str) or not _SESSION.fullmatch(session):
+            raise ProtocolError("request field 'session' must be 8-64 letters, digits, - or _")
+        held = self._sessions.get(session)
+        if held is not None and held is not client and held.user != client.user:
+            raise ProtocolError("that session belongs to another user's connection")
+        if client.session and self._sessions.get(client.session) is client:
+            del self._sessions[client.session]  # one session per connection
+        self._sessions[session] = client
+        client.session = session
+        return {"session": session}
+
+    def _heartbeat(self, header: Header, client: Peer) -> Header:
+        """A client's heartbeat, from a socket of its own: the connection its session names
+        keeps its leases and plans however long its reader reads without a request, or
+        pauses. ``known`` false: no connection of ours has that session (we restarted,
+        or the client has yet to say hello again)."""
+        session = _str(header, "session")
+        peer = self._sessions.get(session)
+        known = peer is not None and not peer.gone and peer.user == client.user
+        if known:
+            assert peer is not None
+            self.leases.renew_client(peer.ident)
+            # The plans of its connection, and those its heartbeat told us again after a
+            # restart of ours (on the heartbeat's socket, until the reader sends them).
+            owners = (peer.ident, client.ident)
+            self.planner.touch([cast(str, k) for o in owners for k in self.plan_quota.keys_of(o)])
+        return {"instance": self.instance, "known": known}
 
     async def _release(self, urls: list[str], stream: str) -> None:
         """The stream is done with these shards: their pins go (``close``, or the
@@ -1060,6 +1121,10 @@ def _kept_if_whole(
         return kept
     made = make(whole)
     if whole:
+        # A client may ask for any number of extension lists: the daemon keeps the layouts
+        # of the last few only, each the size of the shard's index at most.
+        while len(index.memo) >= MAX_KEPT_LAYOUTS:
+            del index.memo[next(iter(index.memo))]
         index.memo[key] = made
     return made
 

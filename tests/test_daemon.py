@@ -170,19 +170,30 @@ def test_cache_full_when_every_shard_is_pinned(
         assert conn.request({"op": "open", "url": urls[2], "stream": "c"})[0]["samples"] == 10
 
 
-def test_leases_of_silent_streams_lapse(s3_server: S3Server, bucket: str, tmp_path: Path) -> None:
+def test_leases_of_silent_streams_lapse(
+    s3_server: S3Server,
+    bucket: str,
+    tmp_path: Path,
+    raw_dealer: tuple[zmq.Context[zmq.Socket[bytes]], list[zmq.Socket[bytes]]],
+) -> None:
+    """A stream that sends nothing, no heartbeat either (a client without one, a process
+    stopped with its socket open), loses its leases after ``lease_timeout_s``. (A live
+    client's heartbeat renews them: tests/test_shard_handles.py.)"""
     urls = upload(s3_server, bucket, dataset_shards(2, 5, payload=20_000))
     cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"server.lease_timeout_s": 0.2})
     with thread_daemon(cfg) as d:
+        ctx, socks = raw_dealer
         # Kept open: a connection that closes takes its leases at once (test_fairness.py).
-        conn = Connection(d.socket)
-        conn.request({"op": "open", "url": urls[0], "stream": "killed"})
+        sock = ctx.socket(zmq.DEALER)
+        socks.append(sock)
+        sock.connect(d.socket)
+        sock.send(encode({"op": "open", "url": urls[0], "stream": "killed", "id": 1}))
+        assert decode(sock.recv_multipart()[0])["ok"]
         assert d.call(lambda: d.daemon.hot.stats().pinned) == 1
         deadline = time.monotonic() + 5
         while d.call(lambda: d.daemon.hot.stats().pinned) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert d.call(lambda: d.daemon.hot.stats().pinned) == 0
-        conn.close()
 
 
 @pytest.fixture

@@ -171,6 +171,10 @@ class LocalFiles:
 
     def __init__(self) -> None:
         self._open: OrderedDict[str, _Open] = OrderedDict()
+        # Whether a file of the daemon's opened here: then a file missing or replaced is
+        # about that shard (evicted after a lease lapsed, fetched again), not about this
+        # process, and only that read goes through the socket.
+        self._worked = False
         # Where the bytes between members go (see LocalPayload.read_many): never looked at.
         self._scratch = memoryview(bytearray(MAX_GAP))
         self._gaps: dict[int, memoryview] = {}  # its slices by size (tar headers: a few)
@@ -206,14 +210,21 @@ class LocalFiles:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            # The reader's lease keeps the file there: not finding it (or not being let
-            # in) means this process does not see the daemon's directory, and will not.
-            raise LocalUnavailable(f"cannot open {path}: {exc.strerror}", lasting=True) from None
+            # Before any file opened here, not finding it (or not being let in) means this
+            # process does not see the daemon's directory, and will not. After: the shard
+            # went (its lease lapsed while the reader stalled, a forced eviction).
+            raise LocalUnavailable(
+                f"cannot open {path}: {exc.strerror}", lasting=not self._worked
+            ) from None
         st = os.fstat(fd)
         if (st.st_ino, st.st_size, st.st_mtime_ns) != identity:
             os.close(fd)
-            # Not the daemon's file: the same path on another host or in another mount.
-            raise LocalUnavailable(f"{path} here is not the daemon's file", lasting=True)
+            # Before any file opened here: not the daemon's file, the same path on another
+            # host or in another mount. After: another copy of the shard replaced it.
+            raise LocalUnavailable(
+                f"{path} here is not the daemon's file", lasting=not self._worked
+            )
+        self._worked = True
         self._open[path] = _Open(fd, url, identity)
         while len(self._open) > MAX_OPEN_FILES:
             _, old = self._open.popitem(last=False)
@@ -414,6 +425,61 @@ class PackedRows:
         s = next((s for s in range(self.first, samples) if first[s + 1] > target), samples - 1)
         keys_at = 8 + 8 * (samples + 1) + PACKED_MEMBER.size * first[samples]
         return bytes(buf[keys_at + starts[s] : keys_at + starts[s + 1]]).decode()
+
+
+def packed_samples(frame: Any, exts: list[str]) -> list[tuple[str, list[tuple[str, int]]]]:
+    """Each sample of a packed layout frame as ``(key, [(ext, size), ...])``. Raises
+    ProtocolError for a frame that does not hold together."""
+    buf = memoryview(frame).cast("B")
+    try:
+        samples, members = struct.unpack_from("<II", buf)
+        first = struct.unpack_from(f"<{samples + 1}I", buf, 8)
+        starts = struct.unpack_from(f"<{samples + 1}I", buf, 8 + 4 * (samples + 1))
+        at = 8 + 8 * (samples + 1)
+        rows = list(PACKED_MEMBER.iter_unpack(buf[at : at + PACKED_MEMBER.size * members]))
+        keys = bytes(buf[at + PACKED_MEMBER.size * members :])
+        return [
+            (
+                keys[starts[s] : starts[s + 1]].decode(),
+                [(exts[r[0]], r[2]) for r in rows[first[s] : first[s + 1]]],
+            )
+            for s in range(samples)
+        ]
+    except (struct.error, IndexError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"{MALFORMED}: {exc}") from None
+
+
+def described(header: Header, layout: Any) -> list[tuple[str, list[tuple[str, int]]]]:
+    """The samples a local reply describes, ``(key, [(ext, size), ...])`` each: from its
+    packed ``layout`` frame, or its JSON."""
+    if layout is not None:
+        packed = header.get("packed")
+        exts = packed.get("exts") if isinstance(packed, dict) else None
+        if not isinstance(exts, list):
+            raise ProtocolError("a packed reply without its extensions")
+        return packed_samples(getattr(layout, "buffer", layout), exts)
+    rows = header.get("samples")
+    try:
+        return [(key, [(m[0], m[1]) for m in members]) for key, members in rows or []]
+    except (TypeError, ValueError, IndexError):
+        raise ProtocolError(f"{MALFORMED}: the samples are not [key, members]") from None
+
+
+def check_refetch(url: str, local: list[Any], socket: Any) -> None:
+    """A read asked again through the socket must describe the samples its local reply
+    did (``local``: ``(key, [(ext, size), ...])`` each): the same keys, members and
+    sizes, or the bytes read so far and those to come would be of two copies. Raises
+    ProtocolError naming the shard (it changed in the store in between: read it again)."""
+    rows = socket.get("samples") if isinstance(socket, dict) else None
+    try:
+        got = [(key, [(m[0], m[1]) for m in members]) for key, members in rows or []]
+    except (TypeError, ValueError, IndexError):
+        got = None
+    if got != local:
+        raise ProtocolError(
+            f"{url}: the read through the socket does not describe the samples of the local "
+            "reply it replaces (the shard changed in the store in between); read it again"
+        )
 
 
 def laid_out(

@@ -53,6 +53,7 @@ class Op(StrEnum):
     STATUS = "status"
     PLAN = "plan"
     REPORT = "report"
+    HEARTBEAT = "heartbeat"
 
 
 class ErrorCode(StrEnum):

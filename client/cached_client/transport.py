@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import logging
 import os
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -45,7 +46,15 @@ from .errors import (
     RequestTooLarge,
     check_reply,
 )
-from .local import LocalFiles, LocalRead, LocalUnavailable, copy_frame
+from .heartbeat import Heartbeat
+from .local import (
+    LocalFiles,
+    LocalRead,
+    LocalUnavailable,
+    check_refetch,
+    copy_frame,
+    described,
+)
 from .memory import tune_malloc
 from .protocol import (
     DEFAULT_SOCKET,
@@ -202,6 +211,9 @@ class Connection:
         self._opened: OrderedDict[str, tuple[int, int]] = OrderedDict()
         # Reads asked only of a resident shard, until their reply is taken.
         self._if_resident: dict[int, Header] = {}
+        # This connection's name for the daemon, for its heartbeat (see heartbeat.py).
+        self._session = secrets.token_hex(12)
+        self._heartbeat: Heartbeat | None = None
 
     def _unreachable(self) -> DaemonUnavailable:
         why = explain_unreachable(self.endpoint)
@@ -216,7 +228,7 @@ class Connection:
         sock.connect(self.endpoint)
         self._sock = sock
         hello_id = next(self._ids)
-        sock.send(encode({"op": Op.HELLO, "id": hello_id, "v": PROTOCOL_VERSION}))
+        sock.send(encode(self._hello(hello_id)))
         if not sock.poll(int(self.connect_timeout_s * 1000), zmq.POLLIN):
             self.close()
             raise self._unreachable()
@@ -233,9 +245,26 @@ class Connection:
         limits = header.get("limits")
         most = limits.get("max_request_bytes") if isinstance(limits, dict) else None
         self._max_request_bytes = most if isinstance(most, int) else None
+        beat = header.get("heartbeat_s")
+        if "heartbeat" in self._features and isinstance(beat, int | float) and beat > 0:
+            self._heartbeat = Heartbeat(
+                self._ctx,
+                self.endpoint,
+                session=self._session,
+                interval_s=float(beat),
+                instance=self._instance,
+                standing=lambda: list(self._standing.values()),
+            )
+
+    def _hello(self, request_id: int) -> Header:
+        """A hello that names this connection's session (its heartbeat's)."""
+        return {"op": Op.HELLO, "id": request_id, "v": PROTOCOL_VERSION, "session": self._session}
 
     def close(self) -> None:
         """Close the socket (pending requests are kept for a reconnect)."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -266,6 +295,7 @@ class Connection:
         while local reads are on, unless ``local`` is false.
         """
         self.open()
+        self._heard()
         assert self._sock is not None
         request_id = next(self._ids)
         header = {**header, "id": request_id}
@@ -406,6 +436,7 @@ class Connection:
         if early is not None:
             return self._reply(request_id, early[0], early[1])
         self.open()
+        self._heard()
         deadline = time.monotonic() + self.request_timeout_s
         last_heard = time.monotonic()
         ping_id: int | None = None
@@ -466,15 +497,18 @@ class Connection:
 
         self._local_answered = True
 
+        layout = frames[0] if "packed" in header and frames else None
+        url = str(sent.get("url", ""))
+
         def refetch() -> list[zmq.Frame]:
             skip = ("id", "local", "if_resident", "packed")
             request = {k: v for k, v in sent.items() if k not in skip}
             # Says that the local reply went unused, so the daemon counts its bytes once.
             request["refetch"] = True
-            return self.wait(self.send(request, local=False))[1]
+            again, frames = self.wait(self.send(request, local=False))
+            check_refetch(url, described(header, layout), again)
+            return frames
 
-        layout = frames[0] if "packed" in header and frames else None
-        url = str(sent.get("url", ""))
         local = LocalRead(self._files, header, refetch, self._lost, url=url, packed=layout)
         return Reply(header, [], local=local)
 
@@ -535,6 +569,13 @@ class Connection:
             frames.append(self._sock.recv(copy=False))
         return frames
 
+    def _heard(self) -> None:
+        """Act on a restart of the daemon that the heartbeat heard of (and this socket
+        not yet): a reader that read from files, or paused, since its last request."""
+        beat = self._heartbeat
+        if beat is not None and beat.instance != self._instance:
+            self._restarted(beat.instance)
+
     def _restarted(self, instance: Any) -> None:
         """The daemon restarted under us: whatever it had not answered is lost with the old
         process, so ask again (reads are idempotent; a late duplicate reply is dropped)."""
@@ -548,6 +589,9 @@ class Connection:
 
     def _resend(self, *, standing: bool) -> None:
         assert self._sock is not None
+        if standing:
+            # First: the new daemon learns this socket's session (its heartbeats' target).
+            self._sock.send(encode(self._hello(next(self._ids))))
         for header in self._pending.values():
             self._sock.send(encode(header))
         if standing:
