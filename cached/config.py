@@ -85,7 +85,8 @@ class ServerConfig:
 
     socket: str = DEFAULT_SOCKET
     http: str = "127.0.0.1:9464"
-    # A stream's pin on a shard lapses this long after its last request (a killed client).
+    # A stream's pin on a shard lapses this long after its last request or its connection's
+    # last heartbeat (a killed or stopped client).
     lease_timeout_s: float = 120.0
     # Largest number of samples one read request may ask for.
     max_read_samples: int = 4096
@@ -176,7 +177,7 @@ class PrefetchConfig:
     lookahead_bytes: int = _size("32GiB")
     # Shards downloaded at once (each may use several ranged GETs).
     concurrency: int = 4
-    # A reader's plan is dropped this long after its last request (a killed client). Longer
+    # A reader's plan is dropped this long after its last request or heartbeat. Longer
     # than the pin lease: a validation pass or a checkpoint between epochs must not lose
     # the next epoch's plan, which warms the hot tier across the boundary.
     plan_timeout_s: float = 900.0

@@ -265,11 +265,13 @@ class Connection:
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
+        # The files first: closing the socket lets the daemon drop this connection's
+        # leases, and a descriptor must never outlive its lease.
+        self._files.close()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
         self._early.clear()
-        self._files.close()
 
     def reconnect(self) -> None:
         """A fresh socket and handshake, then re-send every unanswered request.
