@@ -418,13 +418,20 @@ class PackedRows:
         """The key of the sample whose member ``member`` (counted from this part's first
         member) is; for an error's message."""
         buf = memoryview(self.frame).cast("B")
-        samples, _ = struct.unpack_from("<II", buf)
-        first = struct.unpack_from(f"<{samples + 1}I", buf, 8)
-        starts = struct.unpack_from(f"<{samples + 1}I", buf, 8 + 4 * (samples + 1))
+        samples, first, starts, _, keys_at = _packed_tables(buf)
         target = first[self.first] + member
         s = next((s for s in range(self.first, samples) if first[s + 1] > target), samples - 1)
-        keys_at = 8 + 8 * (samples + 1) + PACKED_MEMBER.size * first[samples]
         return bytes(buf[keys_at + starts[s] : keys_at + starts[s + 1]]).decode()
+
+
+def _packed_tables(buf: memoryview) -> tuple[int, tuple[int, ...], tuple[int, ...], int, int]:
+    """A packed layout frame's tables (docs/protocol.md, "Packed layouts"): the sample
+    count, ``first_member``, ``key_start``, and where the members and the keys begin."""
+    samples = struct.unpack_from("<I", buf)[0]
+    first = struct.unpack_from(f"<{samples + 1}I", buf, 8)
+    starts = struct.unpack_from(f"<{samples + 1}I", buf, 8 + 4 * (samples + 1))
+    members_at = 8 + 8 * (samples + 1)
+    return samples, first, starts, members_at, members_at + PACKED_MEMBER.size * first[samples]
 
 
 def packed_samples(frame: Any, exts: list[str]) -> list[tuple[str, list[tuple[str, int]]]]:
@@ -432,12 +439,9 @@ def packed_samples(frame: Any, exts: list[str]) -> list[tuple[str, list[tuple[st
     ProtocolError for a frame that does not hold together."""
     buf = memoryview(frame).cast("B")
     try:
-        samples, members = struct.unpack_from("<II", buf)
-        first = struct.unpack_from(f"<{samples + 1}I", buf, 8)
-        starts = struct.unpack_from(f"<{samples + 1}I", buf, 8 + 4 * (samples + 1))
-        at = 8 + 8 * (samples + 1)
-        rows = list(PACKED_MEMBER.iter_unpack(buf[at : at + PACKED_MEMBER.size * members]))
-        keys = bytes(buf[at + PACKED_MEMBER.size * members :])
+        samples, first, starts, members_at, keys_at = _packed_tables(buf)
+        rows = list(PACKED_MEMBER.iter_unpack(buf[members_at:keys_at]))
+        keys = bytes(buf[keys_at:])
         return [
             (
                 keys[starts[s] : starts[s + 1]].decode(),
@@ -458,11 +462,21 @@ def described(header: Header, layout: Any) -> list[tuple[str, list[tuple[str, in
         if not isinstance(exts, list):
             raise ProtocolError("a packed reply without its extensions")
         return packed_samples(getattr(layout, "buffer", layout), exts)
-    rows = header.get("samples")
+    sizes = _sizes(header)
+    if sizes is None:
+        raise ProtocolError(f"{MALFORMED}: the samples are not [key, members]")
+    return sizes
+
+
+def _sizes(reply: Any) -> list[tuple[str, list[tuple[str, int]]]] | None:
+    """A reply's JSON ``samples`` as ``(key, [(ext, size), ...])`` each (local replies'
+    members have more fields, socket replies' these two); None where they are not
+    ``[key, [[ext, size, ...], ...]]``."""
+    rows = reply.get("samples") if isinstance(reply, dict) else None
     try:
         return [(key, [(m[0], m[1]) for m in members]) for key, members in rows or []]
     except (TypeError, ValueError, IndexError):
-        raise ProtocolError(f"{MALFORMED}: the samples are not [key, members]") from None
+        return None
 
 
 def check_refetch(url: str, local: list[Any], socket: Any) -> None:
@@ -470,12 +484,7 @@ def check_refetch(url: str, local: list[Any], socket: Any) -> None:
     did (``local``: ``(key, [(ext, size), ...])`` each): the same keys, members and
     sizes, or the bytes read so far and those to come would be of two copies. Raises
     ProtocolError naming the shard (it changed in the store in between: read it again)."""
-    rows = socket.get("samples") if isinstance(socket, dict) else None
-    try:
-        got = [(key, [(m[0], m[1]) for m in members]) for key, members in rows or []]
-    except (TypeError, ValueError, IndexError):
-        got = None
-    if got != local:
+    if _sizes(socket) != local:
         raise ProtocolError(
             f"{url}: the read through the socket does not describe the samples of the local "
             "reply it replaces (the shard changed in the store in between); read it again"

@@ -587,13 +587,14 @@ class Connection:
             len(self._pending),
         )
         self._instance = instance
+        assert self._sock is not None
+        # First: the new daemon learns this socket's session (its heartbeats' target). A
+        # reconnect needs no such hello: its open() said it.
+        self._sock.send(encode(self._hello(next(self._ids))))
         self._resend(standing=True)
 
     def _resend(self, *, standing: bool) -> None:
         assert self._sock is not None
-        if standing:
-            # First: the new daemon learns this socket's session (its heartbeats' target).
-            self._sock.send(encode(self._hello(next(self._ids))))
         for header in self._pending.values():
             self._sock.send(encode(header))
         if standing:
