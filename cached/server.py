@@ -1,8 +1,9 @@
 """The ZeroMQ ROUTER: client requests -> hot tier -> reply frames (protocol v1).
 
 Each request is handled in its own task, so one client's demand miss never blocks another
-client's hits. Payload frames are memoryview slices of the shard's mmap, sent with
-``copy=False``: the bytes go from the page cache to the socket without a Python copy.
+client's hits. Each payload frame is one member read by ``preadv`` into its own ZeroMQ
+message (``pread.read_members``), sent as it is: one copy, from the page cache; a local
+reader gets the file and a packed layout instead (``layouts.py``).
 
 The socket is a plain (blocking-API) ZeroMQ socket driven from the event loop by its file
 descriptor, received from and sent to without blocking: zmq.asyncio's futures, handlers
@@ -16,25 +17,21 @@ import asyncio
 import functools
 import logging
 import re
-import struct
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
 from cached_client.protocol import (
-    PACKED_MEMBER,
     PROTOCOL_VERSION,
     ErrorCode,
     Header,
     Op,
     decode,
     encode,
-    encode_value,
     error,
 )
 from cached_client.protocol import ProtocolError as WireProtocolError
@@ -46,11 +43,13 @@ from .bounds import Bounds
 from .errors import CachedError, OutOfRange, ProtocolError, VersionMismatch
 from .fetcher import AHEAD, DEMAND, PREFETCH, Fetcher, shard_id
 from .jobs import JobBoard, Report
+from .layouts import chosen, packed_layout
+from .leases import Leases
 from .metrics import Metrics
 from .peers import Peer, Peers
 from .planner import Plan, Planner, prepare
 from .tiers.hot import HotTier, Shard, ShardCorrupt
-from .tiers.index import Member, Sample, ShardIndex
+from .tiers.index import Member
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +63,14 @@ DECODE_OFFLOAD_BYTES = 1 << 20
 MAX_ACTIVE_REQUESTS = 1024
 # Replies ZeroMQ queues for one client (SNDHWM, per connection): a reader has some 20
 # requests in flight; what its queue cannot take waits in the server (Peer.backlog, bounded
-# by [server] max_requests_per_client and reply_timeout_s), as memoryviews of the shard
-# files, where ZeroMQ would hold copies of the frames below COPY_THRESHOLD_BYTES.
+# by [server] max_requests_per_client and reply_timeout_s): each reply its own messages,
+# copies of the payload, so about 256 x a read's payload for reply_timeout_s at most.
 SNDHWM = 16
 # The request loop counts as stuck when requests wait to be taken and none was taken or
 # finished for this long: /readyz says not ready and the systemd watchdog is not fed.
 STUCK_AFTER_S = 30.0
-# Frames below this are copied into ZeroMQ, larger ones sent zero-copy from the mmap.
+# Frames given as bytes (routing id, header, packed layout) below this are copied into
+# ZeroMQ, larger ones sent zero-copy; payload frames are ZeroMQ messages already.
 # Zero-copy costs a reference hand-off through pyzmq's garbage-collector thread per frame
 # (29% of the daemon's CPU at 100 KB frames); a copy of 1 MiB costs less (docs/decisions.md).
 COPY_THRESHOLD_BYTES = 1 << 20
@@ -79,14 +79,13 @@ COPY_THRESHOLD_BYTES = 1 << 20
 MAX_REQUEST_DEPTH = 8
 # An open's flags -> how the fetcher treats a miss.
 _PRIORITY = {"demand": DEMAND, "prefetch": PREFETCH, "ahead": AHEAD}
-T = TypeVar("T")
 # What this daemon understands beyond protocol v1's first form, told in the hello reply:
 # "release": an open or read may carry the URLs whose pins the stream gives back, which
 # saves a local reader one ``close`` request per shard (D26). "whole": a read of all of a
 # shard's samples, which may ask to be answered only if the shard is resident (D33).
-# "packed": a local read's layout as one binary frame (D34). "heartbeat": a client's
-# heartbeat (its own socket, naming its connection's session) renews the connection's
-# leases and plans and carries the instance (issue 21).
+# "packed": a local read's layout is one binary frame (D34), the only form it has.
+# "heartbeat": a client's heartbeat (its own socket, naming its connection's session)
+# renews the connection's leases and plans and carries the instance (issue 21).
 FEATURES = ("release", "whole", "packed", "heartbeat")
 # A session name: what a client calls its connection in its hello.
 _SESSION = re.compile(r"[0-9A-Za-z_-]{8,64}")
@@ -96,9 +95,6 @@ _SESSION = re.compile(r"[0-9A-Za-z_-]{8,64}")
 REQUEST_BYTES_IN_FLIGHT = 2
 # Messages the request loop takes in a row before it lets the rest of the event loop run.
 YIELD_EVERY = 64
-# Whole-shard layouts kept per resident shard (see _kept_if_whole): a reader's kind
-# (JSON for CachedDataset, packed for FastLoader), for the extension lists asked last.
-MAX_KEPT_LAYOUTS = 4
 # A report is a few hundred bytes; a larger request is not one.
 MAX_REPORT_BYTES = 4096
 # URLs one request may release (a reader holds a few pins at a time).
@@ -106,81 +102,6 @@ MAX_RELEASED = 64
 # A reply the client's queue cannot take yet (its high-water mark) is tried again after
 # this long, doubling up to the second figure.
 SEND_RETRY_S = (0.001, 0.05)
-# A stream counts as live this long after its last read or open, lease or not: a reader
-# whose reads take whole shards at once holds each lease only for a moment.
-ACTIVE_S = 10.0
-
-
-class Leases:
-    """Which stream holds which shard. A held shard is pinned; a lease lapses after a timeout
-    without requests, so a killed client cannot pin shards forever, and goes at once with
-    the connection that took it (:meth:`release_client`)."""
-
-    def __init__(self, hot: HotTier, timeout_s: float, bounds: Bounds | None = None) -> None:
-        self.hot = hot
-        self.timeout_s = timeout_s
-        # (stream, shard id) -> the shard, when the lease lapses, the connection holding it
-        self._held: dict[tuple[str, str], tuple[Shard, float, bytes]] = {}
-        self._active: dict[str, float] = {}  # stream -> when it last held a shard
-        bounds = bounds or Bounds()
-        self.quota, self.pinned = bounds.lease_quotas(hot.capacity_bytes)
-
-    def hold(self, stream: str, shard: Shard, client: bytes = b"", user: str = "") -> None:
-        """Pin ``shard`` for ``stream`` (once per pair) and refresh the lease. Raises
-        :class:`LimitExceeded` when ``client`` (or its ``user``, or everyone) already holds
-        the most leases, or pinned bytes, allowed."""
-        key = (stream, shard.shard_id)
-        held = self._held.get(key)
-        if held is None or held[2] != client:  # new, or the stream's new connection
-            self.quota.check(client, key, 1, user)
-            self.pinned.admit(client, key, shard.reserved_bytes, user)
-            self.quota.admit(client, key, 1, user)
-            if held is None:
-                self.hot.pin(shard)
-        now = time.monotonic()
-        self._held[key] = (shard, now + self.timeout_s, client)
-        self._active[stream] = now
-
-    def renew_client(self, client: bytes) -> int:
-        """Refresh every lease ``client`` holds (its heartbeat); returns how many."""
-        until = time.monotonic() + self.timeout_s
-        keys = self.quota.keys_of(client)
-        for key in keys:
-            held = self._held.get(cast(tuple[str, str], key))
-            if held is not None:
-                self._held[cast(tuple[str, str], key)] = (held[0], until, client)
-        return len(keys)
-
-    def release(self, stream: str, shard_id: str) -> None:
-        """Drop the stream's lease on a shard, if any."""
-        held = self._held.pop((stream, shard_id), None)
-        if held is not None:
-            self.quota.forget((stream, shard_id))
-            self.pinned.forget((stream, shard_id))
-            self.hot.unpin(held[0])
-
-    def release_client(self, client: bytes) -> int:
-        """Drop every lease ``client`` (a connection that went away) holds; returns how many."""
-        keys = self.quota.keys_of(client)
-        for key in keys:
-            stream, shard_id = cast(tuple[str, str], key)
-            self.release(stream, shard_id)
-        return len(keys)
-
-    def expire(self) -> int:
-        """Release lapsed leases; returns how many."""
-        now = time.monotonic()
-        lapsed = [key for key, (_, until, _) in self._held.items() if until < now]
-        for stream, sid in lapsed:
-            self.release(stream, sid)
-        return len(lapsed)
-
-    def streams(self) -> int:
-        """Streams holding a lease, or that held one in the last :data:`ACTIVE_S`."""
-        now = time.monotonic()
-        for stream in [s for s, at in self._active.items() if now - at > ACTIVE_S]:
-            del self._active[stream]
-        return len(self._active.keys() | {stream for stream, _ in self._held})
 
 
 def _request_id(header: Header) -> int | None:
@@ -776,7 +697,7 @@ class Server:
         if op not in Op.__members__.values():
             op = "unknown"
         self.metrics.requests.labels(op, result).inc()
-        self._deliver(peer, [peer.ident, _encode(reply), *payload])
+        self._deliver(peer, [peer.ident, encode(reply), *payload])
         if cancelled:
             raise asyncio.CancelledError
 
@@ -987,10 +908,9 @@ class Server:
             raise ProtocolError("request field 'exts' must be a list of strings")
         wanted = None if exts is None else frozenset(exts)
         # A local reader reads the members from the file itself (and checks them: the
-        # reply gives their checksums); the socket carries only this header.
+        # layout gives their checksums); the socket carries only the header and the
+        # layout, one packed frame (D34).
         local = bool(header.get("local")) and self.local_reads
-        # FastLoader's compiled reader takes the layout as one frame, not JSON (D34).
-        packed = header.get("packed") is True
         for attempt in (1, 2):
             shard, stream, _ = await self._shard(header, client, count=whole and attempt == 1)
             index = shard.index
@@ -1006,18 +926,14 @@ class Server:
                     f"carry ([server] max_read_samples = {count}): read it in parts"
                 )
             stop = min(n, start + count)
-            if local and packed:
-                layout, nbytes = _packed_layout(index, wanted, start, stop)
-                frames: list[Any] = [layout.frame]
-                break
             if local:
-                samples, nbytes = _local_layout(index, wanted, start, stop)
-                frames = []
+                layout, nbytes = packed_layout(index, wanted, start, stop)
+                frames: list[Any] = [layout.frame]
                 break
             listed: list[Any] = []
             picked: list[Member] = []
             for sample in index.samples[start:stop]:
-                members = _chosen(sample, wanted)
+                members = chosen(sample, wanted)
                 listed.append([sample.key, [[m.ext, m.size] for m in members]])
                 picked.extend(members)
             samples, nbytes = listed, sum(m.size for m in picked)
@@ -1030,17 +946,16 @@ class Server:
                     raise
                 # The hot tier dropped the rotten copy; _shard fetches a good one.
         reply: Header = {"start": start, "next": stop, "end": stop == n}
-        if local and packed:
-            reply["packed"] = {"samples": stop - start, "exts": layout.exts}
-        else:
-            reply["samples"] = samples
         if local:
+            reply["packed"] = {"samples": stop - start, "exts": layout.exts}
             # The reader holds the file open past this reply: its lease (the pin that keeps
             # the file from being unlinked under it) goes with its close, not here.
             reply["local"] = self.hot.locate(shard)
             self.metrics.local_read_bytes.inc(nbytes)
-        elif stop == n:
-            self.leases.release(stream, shard.shard_id)
+        else:
+            reply["samples"] = samples
+            if stop == n:
+                self.leases.release(stream, shard.shard_id)
         if header.get("refetch") is True and not local:
             # A local reply the reader could not use (no file there, a failed checksum),
             # asked again here: counted as served once, with the local reply.
@@ -1070,102 +985,6 @@ def _id_of(header: bytes) -> int | None:
 def _waiting(sock: zmq.Socket[bytes]) -> bool:
     """Whether a message waits on ``sock`` (reading its events also re-arms its descriptor)."""
     return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-
-
-def _chosen(sample: Sample, wanted: frozenset[str] | None) -> list[Member]:
-    """The sample's members a read asked for (``exts``; None: all)."""
-    return [m for m in sample.members if wanted is None or m.ext in wanted]
-
-
-class _Encoded(bytes):
-    """A reply field already encoded as JSON (see :func:`_local_layout`)."""
-
-
-def _encode(reply: Header) -> bytes:
-    """The reply's header frame; a ``samples`` already encoded is spliced in as it is."""
-    samples = reply.get("samples")
-    if not isinstance(samples, _Encoded):
-        return encode(reply)
-    rest = encode({k: v for k, v in reply.items() if k != "samples"})
-    return b"".join((rest[:-1], b',"samples":' if len(rest) > 2 else b'"samples":', samples, b"}"))
-
-
-def _local_layout(
-    index: ShardIndex, wanted: frozenset[str] | None, start: int, stop: int
-) -> tuple[Any, int]:
-    """A local read's ``samples`` (``[key, [[ext, size, offset, checksum], ...]]``, the
-    members in ``wanted``) and their payload bytes. A whole shard's is encoded once and
-    kept with the index: a local reader asks for whole shards, every epoch, and listing
-    and encoding each member was most of what the daemon still spent on serving it."""
-
-    def make(whole: bool) -> tuple[Any, int]:
-        samples: list[Any] = []
-        nbytes = 0
-        for sample in index.samples[start:stop]:
-            members = _chosen(sample, wanted)
-            samples.append([sample.key, [[m.ext, m.size, m.offset, m.checksum] for m in members]])
-            nbytes += sum(m.size for m in members)
-        return (_Encoded(encode_value(samples)) if whole else samples), nbytes
-
-    return _kept_if_whole(index, ("local", wanted), start, stop, make)
-
-
-def _kept_if_whole(
-    index: ShardIndex, key: Any, start: int, stop: int, make: Callable[[bool], T]
-) -> T:
-    """``make(whole)``, the layout of samples ``start..stop``; a whole shard's is made once
-    and kept with the index under ``key`` (``ShardIndex.memo``)."""
-    whole = start == 0 and stop == len(index.samples)
-    if whole and key in index.memo:
-        kept: T = index.memo[key]
-        return kept
-    made = make(whole)
-    if whole:
-        # A client may ask for any number of extension lists: the daemon keeps the layouts
-        # of the last few only, each the size of the shard's index at most.
-        while len(index.memo) >= MAX_KEPT_LAYOUTS:
-            del index.memo[next(iter(index.memo))]
-        index.memo[key] = made
-    return made
-
-
-@dataclass(frozen=True)
-class _Packed:
-    """A local read's layout as one frame (docs/protocol.md, "Packed layouts"), and the
-    names of the extensions its members refer to by index."""
-
-    frame: bytes
-    exts: list[str]
-
-
-def _packed_layout(
-    index: ShardIndex, wanted: frozenset[str] | None, start: int, stop: int
-) -> tuple[_Packed, int]:
-    """The packed layout of samples ``start..stop`` (their members in ``wanted``) and
-    their payload bytes; a whole shard's is made once and kept with the index, as
-    :func:`_local_layout` keeps its JSON."""
-
-    def make(_whole: bool) -> tuple[_Packed, int]:
-        exts: dict[str, int] = {}
-        first, key_start = [0], [0]
-        records: list[bytes] = []
-        keys = bytearray()
-        nbytes = 0
-        for sample in index.samples[start:stop]:
-            members = _chosen(sample, wanted)
-            for m in members:
-                e = exts.setdefault(m.ext, len(exts))
-                has = m.checksum is not None
-                records.append(PACKED_MEMBER.pack(e, int(has), m.size, m.offset, m.checksum or 0))
-                nbytes += m.size
-            first.append(first[-1] + len(members))
-            keys += sample.key.encode()
-            key_start.append(len(keys))
-        count = len(first) - 1
-        tables = struct.pack(f"<II{count + 1}I{count + 1}I", count, first[-1], *first, *key_start)
-        return _Packed(b"".join((tables, *records, bytes(keys))), list(exts)), nbytes
-
-    return _kept_if_whole(index, ("packed", wanted), start, stop, make)
 
 
 async def _answers(endpoint: str) -> bool:

@@ -20,11 +20,10 @@ import xxhash
 from cached_client import local
 from cached_client.buffers import Slot
 from cached_client.fast import _Filling
-from cached_client.local import LocalFiles, LocalRead, LocalUnavailable
+from cached_client.local import LocalFiles, LocalUnavailable, PackedRows
 
 from cached.demo.tars import make_tar
-from cached.server import _packed_layout
-from cached.tiers.index import Member, Sample, ShardIndex
+from tests.layouts import local_read, packed
 
 RUN_BYTES = 256 << 10  # _gather.c: a run ends once it holds this many bytes
 
@@ -48,9 +47,9 @@ def _shard(tmp_path: Path, seed: int) -> tuple[Path, list[tuple[str, dict[str, b
     return path, samples
 
 
-def _reply(path: Path, exts: set[str], *, algorithm: str = "xxh3_64") -> dict[str, Any]:
-    """A local read reply for every sample of ``path``, members in ``exts``: what the
-    daemon sends (server.py ``_local_layout``, ``HotTier.locate``)."""
+def _rows(path: Path, exts: set[str]) -> list[Any]:
+    """The layout of every sample of ``path``, members in ``exts``, as rows (what the
+    daemon packs: tests/layouts.py)."""
     samples: list[Any] = []
     data = path.read_bytes()
     with tarfile.open(path) as tar:
@@ -62,47 +61,40 @@ def _reply(path: Path, exts: set[str], *, algorithm: str = "xxh3_64") -> dict[st
                 body = data[info.offset_data : info.offset_data + info.size]
                 member = [ext, info.size, info.offset_data, xxhash.xxh3_64_intdigest(body)]
                 samples[-1][1].append(member)
-    st = path.stat()
-    where = {"path": str(path), "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    return {
-        "ok": True,
-        "url": "s3://b/x.tar",
-        "samples": samples,
-        "local": {**where, "algorithm": algorithm},
-    }
-
-
-def _no_socket() -> list[Any]:
-    raise AssertionError("the read fell back to the socket")
+    return samples
 
 
 def _fill(
-    reply: dict[str, Any], batch: int, compiled: bool, monkeypatch: pytest.MonkeyPatch
+    path: Path,
+    rows: list[Any],
+    batch: int,
+    compiled: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    algorithm: str = "xxh3_64",
 ) -> list[Any]:
-    """Receive the reply's samples into batches of ``batch``, as FastLoader does; each
-    batch's keys, offsets and bytes per extension."""
+    """Receive the local reply of ``rows`` into batches of ``batch``, as FastLoader does;
+    each batch's keys, offsets and bytes per extension."""
     monkeypatch.setattr(local, "GATHER", local.GATHER if compiled else None)
     files = LocalFiles()
-    read = LocalRead(files, reply, _no_socket, lambda exc: None)
+    read = local_read(files, path, rows, algorithm=algorithm)
 
-    class _Reply:  # what transport.Reply gives _Filling: the header and the local read
-        header = reply
+    class _Reply:  # what transport.Reply gives _Filling: the local read
         local = read
 
         def read_many(self, buffers: Any) -> list[int]:
             return read.read_many(buffers)
 
     out = []
-    samples = reply["samples"]
     done = 0
-    while done < len(samples):
+    while done < len(read.rows):
         filling = _Filling(Slot())
-        take = samples[done : done + batch]
+        take = read.rows[done : done + batch]
         # Two calls per batch, as when a batch takes the end of one reply and the start
         # of the next: the second lays out after what the first used.
         half = len(take) // 2
-        filling.receive(take[:half], _Reply())
-        filling.receive(take[half:], _Reply())
+        filling.receive(take[:half], _Reply())  # type: ignore[arg-type]
+        filling.receive(take[half:], _Reply())  # type: ignore[arg-type]
         got = filling.batch()
         out.append((got.keys, got.offsets, {e: t.numpy().tobytes() for e, t in got.data.items()}))
         done += len(take)
@@ -124,9 +116,9 @@ def test_the_compiled_and_the_python_reader_fill_the_same_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int, exts: set[str]
 ) -> None:
     path, samples = _shard(tmp_path, seed=batch)
-    reply = _reply(path, exts)
-    compiled = _fill(reply, batch, True, monkeypatch)
-    python = _fill(reply, batch, False, monkeypatch)
+    rows = _rows(path, exts)
+    compiled = _fill(path, rows, batch, True, monkeypatch)
+    python = _fill(path, rows, batch, False, monkeypatch)
     assert compiled == python
     # And both are the shard's bytes: each member where the offsets say.
     want = {key: {e: v for e, v in members.items() if e in exts} for key, members in samples}
@@ -144,11 +136,12 @@ def test_an_unknown_checksum_is_read_unchecked_by_both(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, _ = _shard(tmp_path, seed=3)
-    reply = _reply(path, {"a", "c"}, algorithm="sha1")
-    for samples in reply["samples"]:
-        for member in samples[1]:
+    rows = _rows(path, {"a", "c"})
+    for sample in rows:
+        for member in sample[1]:
             member[3] = 0  # wrong for XXH3: a reader that checked it would fail
-    assert _fill(reply, 16, True, monkeypatch) == _fill(reply, 16, False, monkeypatch)
+    compiled = _fill(path, rows, 16, True, monkeypatch, algorithm="sha1")
+    assert compiled == _fill(path, rows, 16, False, monkeypatch, algorithm="sha1")
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
@@ -158,23 +151,24 @@ def test_a_rotten_member_and_a_short_file_are_said_with_their_offset(
     """What the loader falls back to the socket on (LocalUnavailable, not lasting), said
     alike by both readers: the member that fails, by its byte in the file."""
     path, _ = _shard(tmp_path, seed=5)
-    reply = _reply(path, {"a", "c"})
-    victim = reply["samples"][9][1][0]
+    rows = _rows(path, {"a", "c"})
+    victim = rows[9][1][0]
     victim[3] ^= 1
     monkeypatch.setattr(local, "GATHER", local.GATHER if compiled else None)
     files = LocalFiles()
     slot = Slot()
-    sizes = [m[1] for _k, ms in reply["samples"] for m in ms]
+    sizes = [m[1] for _k, ms in rows for m in ms]
     view = slot.region("all", 0, sum(sizes))
     at = np.cumsum([0, *sizes])
 
     def read_all() -> None:
         """Every member of the reply, by the reader under test."""
-        payload = files.payload(reply)
+        read = local_read(files, path, rows)
+        payload = read._source()
         if compiled:
             used: dict[str, int] = {}
             exts: list[str] = []
-            plan = local.laid_out(reply["samples"], used, {}, [], exts, checked=True)
+            plan = local.laid_out(read.rows, used, {}, [], exts, checked=True)
             payload.read_planned(plan, [slot.region(x, 0, used[x]) for x in exts])
         else:
             payload.read_many(0, [view[at[i] : at[i + 1]] for i in range(len(sizes))])
@@ -186,7 +180,7 @@ def test_a_rotten_member_and_a_short_file_are_said_with_their_offset(
     assert not e.value.lasting
     victim[3] ^= 1
     # The file is shorter than the reply says (the member's bytes are not all there).
-    last = reply["samples"][-1][1][0]
+    last = rows[-1][1][0]
     last[2] = path.stat().st_size - last[1] // 2
     with pytest.raises(LocalUnavailable, match="short read at") as e:
         read_all()
@@ -198,10 +192,10 @@ def test_a_plan_that_does_not_fit_its_buffers_is_refused(tmp_path: Path) -> None
     """The compiled reader writes only inside the buffers it is given."""
     assert local.GATHER is not None
     path, _ = _shard(tmp_path, seed=9)
-    reply = _reply(path, {"a", "c"})
+    frame, names = packed(_rows(path, {"a", "c"}))
     used: dict[str, int] = {}
     exts: list[str] = []
-    plan = local.laid_out(reply["samples"], used, {}, [], exts, checked=True)
+    plan = local.laid_out(PackedRows(frame, names, 0, 60), used, {}, [], exts, checked=True)
     small = [bytearray(used[x] - 1) for x in exts]
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -213,58 +207,10 @@ def test_a_plan_that_does_not_fit_its_buffers_is_refused(tmp_path: Path) -> None
         os.close(fd)
 
 
-def _packed(reply: dict[str, Any]) -> tuple[Any, list[str]]:
-    """The daemon's packed layout (server.py ``_packed_layout``) of the reply's samples."""
-    index = ShardIndex(
-        tuple(
-            Sample(key, tuple(Member(m[0], m[2], m[1], m[3]) for m in members))
-            for key, members in reply["samples"]
-        ),
-        0,
-        "xxh3_64",
-    )
-    made, _ = _packed_layout(index, None, 0, len(index.samples))
-    return made.frame, made.exts
-
-
-@pytest.mark.parametrize("batch", [5, 64])
-def test_a_packed_layout_fills_the_same_batches_as_its_json(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int
-) -> None:
-    """D34: the daemon's packed layout, laid out by the compiled reader, gives exactly
-    the batches the JSON layout gives (members missing, empty, larger than a run)."""
-    path, _ = _shard(tmp_path, seed=11)
-    reply = _reply(path, {"a", "c", "skip"})
-    frame, exts = _packed(reply)
-    packed = {**reply, "packed": {"samples": len(reply["samples"]), "exts": exts}}
-    del packed["samples"]
-    files = LocalFiles()
-    read = LocalRead(files, packed, _no_socket, lambda exc: None, packed=frame)
-    assert read.rows is not None and len(read.rows) == len(reply["samples"])
-
-    class _Reply:
-        header = packed
-        local = read
-
-    out = []
-    done = 0
-    while done < len(read.rows):
-        filling = _Filling(Slot())
-        take = read.rows[done : done + batch]
-        half = len(take) // 2
-        filling.receive(take[:half], _Reply())  # type: ignore[arg-type]
-        filling.receive(take[half:], _Reply())  # type: ignore[arg-type]
-        got = filling.batch()
-        out.append((got.keys, got.offsets, {e: t.numpy().tobytes() for e, t in got.data.items()}))
-        done += len(take)
-    files.close()
-    assert out == _fill(reply, batch, True, monkeypatch)
-
-
 def test_a_packed_layout_that_does_not_hold_together_is_refused(tmp_path: Path) -> None:
     assert local.GATHER is not None
     path, _ = _shard(tmp_path, seed=13)
-    frame, exts = _packed(_reply(path, {"a", "c"}))
+    frame, exts = packed(_rows(path, {"a", "c"}))
     args = ({}, {}, [], [], True)
     with pytest.raises(ValueError, match="does not hold together"):
         local.GATHER.layout_packed(frame[:-2000], exts, 0, 3, *args)

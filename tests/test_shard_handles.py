@@ -25,7 +25,7 @@ import zmq
 from cached_client import CachedDataset, FastLoader, protocol
 from cached_client.errors import ProtocolError
 
-from cached.server import MAX_KEPT_LAYOUTS
+from cached.layouts import MAX_KEPT_LAYOUTS
 from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, serve_config, thread_daemon
 from tests.s3server import S3Server
 from tests.test_daemon import upload
@@ -285,13 +285,17 @@ def test_a_stopped_reader_whose_leases_lapsed_and_shards_went_reads_on(
     assert out == ["read", "60", "bad", "0"]
 
 
-@pytest.mark.parametrize("packed", [False, True])
+def _layout(header: dict[str, Any], frame: Any) -> local_module.PackedRows:
+    """A local reply's layout, as the reader takes it."""
+    return local_module.PackedRows(frame, header["packed"]["exts"], 0, header["packed"]["samples"])
+
+
 def test_a_read_through_the_socket_is_checked_against_the_local_reply_it_replaces(
-    s3_server: S3Server, bucket: str, tmp_path: Path, packed: bool
+    s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
-    """The daemon's own local reply (JSON or packed) and its reply through the socket to
-    the same read describe the same samples; one that does not (another key, a size, a
-    sample missing) is refused, naming the shard."""
+    """The daemon's own local reply and its reply through the socket to the same read
+    describe the same samples; one that does not (another key, a size, a sample missing)
+    is refused, naming the shard."""
     urls = upload(s3_server, bucket, dataset_shards(2, 12, payload=3000))
     with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -303,13 +307,13 @@ def test_a_read_through_the_socket_is_checked_against_the_local_reply_it_replace
                 sock.send(protocol.encode({**read, "id": 1, **extra}))
                 return sock.recv_multipart()
 
-            local_frames = ask(local=True, packed=packed, exts=["bin"])
+            local_frames = ask(local=True, packed=True, exts=["bin"])
             socket_frames = ask(refetch=True, exts=["bin"])
         finally:
             sock.close(linger=0)
     local = protocol.decode(local_frames[0])
-    assert "local" in local and ("packed" in local) == packed
-    described = local_module.described(local, local_frames[1] if packed else None)
+    assert "local" in local and "packed" in local and "samples" not in local
+    described = local_module.described(_layout(local, local_frames[1]))
     assert [key for key, _ in described] == [f"s0001-{i:05d}" for i in range(2, 9)]
     assert all(members == [("bin", 3000)] for _, members in described)
     again = protocol.decode(socket_frames[0])
@@ -327,27 +331,24 @@ def test_the_daemon_keeps_a_few_whole_shard_layouts_whatever_clients_ask_for(
     s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
     """A client that asks for a whole shard's local layout with a hundred lists of
-    extensions, JSON and packed, leaves the daemon keeping a few of them (one per list
-    asked for, the last few), and each reply is still right."""
+    extensions leaves the daemon keeping a few of them (one per list asked for, the last
+    few), and each reply is still right."""
     urls = upload(s3_server, bucket, dataset_shards(1, 5, payload=100))
     with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(d.socket)
         read = {"op": "read", "url": urls[0], "stream": "t", "start": 0, "whole": True}
         try:
-            for n in range(100):
-                for packed in (False, True):
-                    exts = ["bin", f"x{n}"]
-                    sock.send(
-                        protocol.encode(
-                            {**read, "id": n, "local": True, "packed": packed, "exts": exts}
-                        )
-                    )
-                    frames = sock.recv_multipart()
-                    header = protocol.decode(frames[0])
-                    assert header["ok"] and header["next"] == 5
-                    got = local_module.described(header, frames[1] if packed else None)
-                    assert [m for _, m in got] == [[("bin", 100)]] * 5
+            for n in range(200):
+                exts = ["bin", f"x{n}"]
+                sock.send(
+                    protocol.encode({**read, "id": n, "local": True, "packed": True, "exts": exts})
+                )
+                frames = sock.recv_multipart()
+                header = protocol.decode(frames[0])
+                assert header["ok"] and header["next"] == 5
+                got = local_module.described(_layout(header, frames[1]))
+                assert [m for _, m in got] == [[("bin", 100)]] * 5
         finally:
             sock.close(linger=0)
         path = Path(header["local"]["path"])

@@ -156,7 +156,6 @@ class FastLoader:
                 self.endpoint,
                 connect_timeout_s=self.connect_timeout_s,
                 local_reads=self.local_reads,
-                packed=True,  # its compiled reader takes layouts as one frame (D34)
             )
         return self._conn
 
@@ -379,25 +378,31 @@ class _Filling:
     def receive(
         self, samples: Sequence[tuple[str, list[list[Any]]]] | PackedRows, reply: Reply
     ) -> None:
-        """Receive ``samples`` (the reply's next ones, ``[key, members]``; each member
-        ``[ext, size, ...]``, a local reply adds the offset and checksum) into the slot.
+        """Receive ``samples`` (the reply's next ones: a socket reply's ``[key, [[ext,
+        size], ...]]``, a local reply's packed layout) into the slot.
 
         Their places are laid out first and the buffers grown once, so that every
         member is received in one call (:meth:`Reply.read_many`: from a local reply, one
         read per run of the file, not one per member)."""
         before = dict(self.used)  # the bytes of earlier replies, kept when a buffer grows
         local = reply.local
-        if local is not None and (isinstance(samples, PackedRows) or local.plannable()):
+        if local is not None and local.plannable():
+            assert isinstance(samples, PackedRows)
             self._receive_planned(samples, local, before)
             return
+        rows: Sequence[Any]
         if isinstance(samples, PackedRows):
-            raise ProtocolError("a packed layout in a reply that is not local")
-        if local is not None:  # the Python reader: what the compiled one refuses, refused
-            local_module.check_rows(samples, self.used, checked=local.checked())
+            # The Python reader: the layout decoded, and what the compiled one refuses,
+            # refused alike.
+            assert local is not None
+            rows = local.samples()[samples.first : samples.first + samples.count]
+            local_module.check_rows(rows, self.used, checked=local.checked())
+        else:
+            rows = samples
         places: list[tuple[str, int]] = []  # (ext, at) of each member, in order
         sizes: list[int] = []
         used, offsets, keys = self.used, self.offsets, self.keys
-        for key, members in samples:
+        for key, members in rows:
             n = len(keys)
             for member in members:
                 ext, size = member[0], member[1]
@@ -430,7 +435,7 @@ class _Filling:
 
     def _receive_planned(
         self,
-        samples: Sequence[tuple[str, list[list[Any]]]] | PackedRows,
+        samples: PackedRows,
         local: LocalRead,
         before: dict[str, int],
     ) -> None:

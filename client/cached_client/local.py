@@ -3,8 +3,10 @@ the hot tier's shard files, and the ZeroMQ socket carries only the control messa
 (plans, opens, leases, the index of each read).
 
 A ``read`` sent with ``local: true`` is answered, by a daemon that offers it, with the
-shard file's path and identity and each member's offset and checksum, and no payload
-frames. :class:`LocalFiles` opens the file once per shard (the descriptor keeps the bytes
+shard file's path and identity and its layout, one packed frame (:class:`PackedRows`:
+each member's extension, size, offset and checksum), and no payload frames; the
+compiled reader lays it out as it is, the Python one decodes it (:func:`unpacked`).
+:class:`LocalFiles` opens the file once per shard (the descriptor keeps the bytes
 valid even if the daemon unlinks the file), checks that it is the daemon's file and not a
 namesake (another host's hot tier, a container's own directory), and reads each member
 with ``pread`` into a new ``bytes`` or ``preadv`` into the caller's buffer (FastLoader's
@@ -87,43 +89,22 @@ _U64 = 1 << 64
 MALFORMED = "a malformed local layout"
 
 
-def _int_in(value: Any, top: int) -> bool:
-    return isinstance(value, int) and 0 <= value < top
-
-
 def _spans(rows: list[Any], checked: bool) -> Any:
-    """Each member of the JSON ``rows`` of a local reply as (offset, size, checksum or
-    None), in order; raises ProtocolError where a row or a member is not what the
-    compiled reader takes (``_gather.c`` ``layout``): a sample ``[key, members]``, a
-    member ``[ext, size, offset, checksum]``, ``ext`` a string, ``size`` an integer in
-    [0, BYTES_MAX], ``offset`` one in [0, 2^64), ``checksum`` one in [0, 2^64) or None
-    (looked at only where ``checked``)."""
-    for row in rows:
-        if not (isinstance(row, list) and len(row) == 2 and isinstance(row[1], list)):
-            raise ProtocolError(f"{MALFORMED}: a sample is not [key, members]")
-        for m in row[1]:
-            if not (isinstance(m, list) and len(m) >= 2 and isinstance(m[0], str)):
-                raise ProtocolError(f"{MALFORMED}: a member is not [ext, size, ...]")
-            size = m[1]
-            if not _int_in(size, BYTES_MAX + 1):
-                raise ProtocolError(f"{MALFORMED}: a member's size of {size!r}")
-            if len(m) < 3 or m[2] is None:
-                raise ProtocolError(f"{MALFORMED}: a member without offset")
-            if not _int_in(m[2], _U64):
-                raise ProtocolError(f"{MALFORMED}: a member's offset of {m[2]!r}")
-            checksum = m[3] if checked and len(m) >= 4 else None
-            if checksum is not None and not _int_in(checksum, _U64):
-                raise ProtocolError(f"{MALFORMED}: a member's checksum of {checksum!r}")
-            yield m[2], size, checksum
+    """Each member of ``rows`` (:func:`unpacked`) as (offset, size, checksum or None), in
+    order (the checksum only where ``checked``); raises ProtocolError for a size past
+    :data:`BYTES_MAX`, as the compiled reader does."""
+    for _key, members in rows:
+        for _ext, size, offset, checksum in members:
+            if size > BYTES_MAX:
+                raise ProtocolError(f"{MALFORMED}: a member's size of {size}")
+            yield offset, size, checksum if checked else None
 
 
-def check_rows(rows: Any, used: dict[str, int], *, checked: bool) -> None:
-    """The Python reader's check of the JSON layout ``rows`` of a local reply before it lays
-    them out after ``used`` (FastLoader's ``_Filling.receive``): what :func:`laid_out`
-    refuses, refused alike (ProtocolError), and one thing more: an extension's members
-    adding up past :data:`BYTES_MAX` bytes in the batch."""
-    if not isinstance(rows, list):
-        raise ProtocolError(f"{MALFORMED}: the samples are not a list")
+def check_rows(rows: list[Any], used: dict[str, int], *, checked: bool) -> None:
+    """The Python reader's check of ``rows`` (:func:`unpacked`) before it lays them out
+    after ``used`` (FastLoader's ``_Filling.receive``): what the compiled reader's layout
+    refuses, refused alike (ProtocolError): a size past :data:`BYTES_MAX`, and an
+    extension's members adding up past it in the batch."""
     for _ in _spans(rows, checked):
         pass
     total = dict(used)
@@ -186,15 +167,17 @@ class LocalFiles:
             view = self._gaps[n] = self._scratch[:n]
         return view
 
-    def payload(self, header: Header, url: str = "") -> LocalPayload:
-        """The members of a local read reply to a read of ``url``, in the shard file.
-        Raises :class:`~cached_client.errors.ProtocolError` for a reply without its file."""
+    def payload(self, header: Header, samples: Any, url: str = "") -> LocalPayload:
+        """The members of a local read reply to a read of ``url``, in the shard file;
+        ``samples()`` gives its layout in the Python reader's form (:func:`unpacked`),
+        asked only by the Python reads. Raises
+        :class:`~cached_client.errors.ProtocolError` for a reply without its file."""
         where = header.get("local")
         if not isinstance(where, dict) or not isinstance(where.get("path"), str):
             raise ProtocolError("a local reply without its file's path")
         algorithm = where.get("algorithm")
         digest = _DIGESTS.get(algorithm) if isinstance(algorithm, str) else None
-        return LocalPayload(self, header, url, where, digest)
+        return LocalPayload(self, samples, url, where, digest)
 
     def fd(self, where: dict[str, Any], url: str) -> int:
         """The open file the reply ``where`` names (opened, and checked, once). Raises
@@ -248,10 +231,10 @@ class LocalPayload:
     it again (or fails over to the socket), never a descriptor number reused since."""
 
     def __init__(
-        self, files: LocalFiles, header: Header, url: str, where: dict[str, Any], digest: Any
+        self, files: LocalFiles, samples: Any, url: str, where: dict[str, Any], digest: Any
     ) -> None:
         self._files = files
-        self._header = header
+        self._samples = samples
         self._where = where
         # The URL read (a read's reply does not name it): LocalFiles.release closes its files.
         self._url = url
@@ -261,9 +244,7 @@ class LocalPayload:
     def spans(self) -> list[tuple[int, int, int | None]]:
         """Each member's (offset, size, checksum or None), in order. Made when first
         needed: the compiled reader takes them from its plan instead."""
-        # Each member is [ext, size, offset, checksum].
-        rows = self._header.get("samples", [])
-        return list(_spans(rows if isinstance(rows, list) else [rows], self._digest is not None))
+        return list(_spans(self._samples(), self._digest is not None))
 
     @property
     def checked(self) -> bool:
@@ -280,7 +261,7 @@ class LocalPayload:
             failed = GATHER.read(fd, plan, buffers, 0, len(plan) // _PLACE.size)
         except OSError as exc:
             raise self._failed_read(exc) from None
-        except ValueError as exc:  # a member without its offset (check_rows says the same)
+        except ValueError as exc:  # a place outside its buffer: a plan not laid out here
             raise ProtocolError(f"{MALFORMED}: {exc}") from None
         if failed is not None:
             why, offset = failed
@@ -400,7 +381,7 @@ class LocalPayload:
 
 class PackedRows:
     """Samples ``first .. first + count`` of a packed layout (docs/protocol.md, "Packed
-    layouts"): what a packed local reply has for ``samples``; sliced as a list is."""
+    layouts"), the layout of every local reply; sliced as a list is."""
 
     __slots__ = ("count", "exts", "first", "frame")
 
@@ -424,48 +405,71 @@ class PackedRows:
         return bytes(buf[keys_at + starts[s] : keys_at + starts[s + 1]]).decode()
 
 
+def _malformed(why: str) -> ProtocolError:
+    return ProtocolError(f"{MALFORMED}: {why}")
+
+
 def _packed_tables(buf: memoryview) -> tuple[int, tuple[int, ...], tuple[int, ...], int, int]:
-    """A packed layout frame's tables (docs/protocol.md, "Packed layouts"): the sample
-    count, ``first_member``, ``key_start``, and where the members and the keys begin."""
-    samples = struct.unpack_from("<I", buf)[0]
+    """A packed layout frame's tables (docs/protocol.md, "Local reads"): the sample
+    count, ``first_member``, ``key_start``, and where the members and the keys begin.
+    Raises ProtocolError where they do not hold together, as the compiled reader's
+    ``parse_packed`` does: tables or records past the frame's end, first members not
+    ascending to the member count, key starts not ascending or past the end."""
+    if len(buf) < 8:
+        raise _malformed("a packed layout shorter than its counts")
+    samples, members = struct.unpack_from("<II", buf)
+    members_at = 8 + 8 * (samples + 1)
+    keys_at = members_at + PACKED_MEMBER.size * members
+    if len(buf) < keys_at:
+        raise _malformed("a packed layout shorter than its tables and members")
     first = struct.unpack_from(f"<{samples + 1}I", buf, 8)
     starts = struct.unpack_from(f"<{samples + 1}I", buf, 8 + 4 * (samples + 1))
-    members_at = 8 + 8 * (samples + 1)
-    return samples, first, starts, members_at, members_at + PACKED_MEMBER.size * first[samples]
+    if first[samples] != members or starts[samples] > len(buf) - keys_at:
+        raise _malformed("a packed layout whose tables do not add up")
+    for s in range(samples):
+        if first[s] > first[s + 1] or starts[s] > starts[s + 1]:
+            raise _malformed("a packed layout whose tables do not ascend")
+    return samples, first, starts, members_at, keys_at
 
 
-def packed_samples(frame: Any, exts: list[str]) -> list[tuple[str, list[tuple[str, int]]]]:
-    """Each sample of a packed layout frame as ``(key, [(ext, size), ...])``. Raises
-    ProtocolError for a frame that does not hold together."""
-    buf = memoryview(frame).cast("B")
+def unpacked(rows: PackedRows) -> list[list[Any]]:
+    """The samples of ``rows`` as ``[key, [[ext, size, offset, checksum or None], ...]]``:
+    the Python reader's form of a packed layout. Raises ProtocolError (:data:`MALFORMED`)
+    where the compiled reader's ``layout_packed`` refuses it: a frame that does not hold
+    together (:func:`_packed_tables`), samples outside it, a member of an extension index
+    not named, a key that is not UTF-8."""
+    buf = memoryview(rows.frame).cast("B")
+    samples, first, starts, members_at, keys_at = _packed_tables(buf)
+    a, b = rows.first, rows.first + rows.count
+    if a < 0 or rows.count < 0 or b > samples:
+        raise _malformed("samples outside the packed layout")
+    exts, base = rows.exts, first[a]
+    records = PACKED_MEMBER.iter_unpack(
+        buf[members_at + PACKED_MEMBER.size * base : members_at + PACKED_MEMBER.size * first[b]]
+    )
     try:
-        samples, first, starts, members_at, keys_at = _packed_tables(buf)
-        rows = list(PACKED_MEMBER.iter_unpack(buf[members_at:keys_at]))
-        keys = bytes(buf[keys_at:])
-        return [
-            (
-                keys[starts[s] : starts[s + 1]].decode(),
-                [(exts[r[0]], r[2]) for r in rows[first[s] : first[s + 1]]],
-            )
-            for s in range(samples)
-        ]
-    except (struct.error, IndexError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"{MALFORMED}: {exc}") from None
+        members = [[exts[e], size, at, sum_ if f & 1 else None] for e, f, size, at, sum_ in records]
+    except IndexError:
+        raise _malformed("a packed member of an extension not named") from None
+    blob = bytes(buf[keys_at + starts[a] : keys_at + starts[b]])
+    try:
+        text = blob.decode()
+        k0 = starts[a]
+        if len(text) == len(blob):  # ASCII keys (the common case): sliced as the bytes are
+            keys = [text[starts[s] - k0 : starts[s + 1] - k0] for s in range(a, b)]
+        else:
+            keys = [blob[starts[s] - k0 : starts[s + 1] - k0].decode() for s in range(a, b)]
+    except UnicodeDecodeError as exc:
+        raise _malformed(str(exc)) from None
+    return [
+        [key, members[first[s] - base : first[s + 1] - base]]
+        for key, s in zip(keys, range(a, b), strict=True)
+    ]
 
 
-def described(header: Header, layout: Any) -> list[tuple[str, list[tuple[str, int]]]]:
-    """The samples a local reply describes, ``(key, [(ext, size), ...])`` each: from its
-    packed ``layout`` frame, or its JSON."""
-    if layout is not None:
-        packed = header.get("packed")
-        exts = packed.get("exts") if isinstance(packed, dict) else None
-        if not isinstance(exts, list):
-            raise ProtocolError("a packed reply without its extensions")
-        return packed_samples(getattr(layout, "buffer", layout), exts)
-    sizes = _sizes(header)
-    if sizes is None:
-        raise ProtocolError(f"{MALFORMED}: the samples are not [key, members]")
-    return sizes
+def described(rows: PackedRows) -> list[tuple[str, list[tuple[str, int]]]]:
+    """The samples a local reply describes, ``(key, [(ext, size), ...])`` each."""
+    return [(key, [(m[0], m[1]) for m in members]) for key, members in unpacked(rows)]
 
 
 def _sizes(reply: Any) -> list[tuple[str, list[tuple[str, int]]]] | None:
@@ -492,7 +496,7 @@ def check_refetch(url: str, local: list[Any], socket: Any) -> None:
 
 
 def laid_out(
-    samples: Sequence[tuple[str, list[list[Any]]]] | PackedRows,
+    samples: PackedRows,
     used: dict[str, int],
     offsets: dict[str, list[int]],
     keys: list[str],
@@ -503,28 +507,23 @@ def laid_out(
     """The compiled layout of ``samples`` in a batch (FastLoader's ``_Filling.receive``):
     ``used``, ``offsets`` and ``keys`` extended as the Python loop would; ``exts`` gets
     the names of the plan's extension indices, as many as there are. Only where
-    :data:`GATHER` is built. A layout that breaks the specification (check_rows; a packed
-    one that does not hold together) raises ProtocolError, ``used``, ``offsets`` and
-    ``keys`` then being the batch's no more."""
+    :data:`GATHER` is built. A layout that breaks the specification (:func:`unpacked`,
+    :func:`check_rows`) raises ProtocolError, ``used``, ``offsets`` and ``keys`` then
+    being the batch's no more."""
     assert GATHER is not None
-    plan: bytes
     try:
-        if isinstance(samples, PackedRows):
-            plan = GATHER.layout_packed(
-                samples.frame,
-                samples.exts,
-                samples.first,
-                samples.count,
-                used,
-                offsets,
-                keys,
-                exts,
-                checked,
-            )
-            return plan
-        rows = samples if isinstance(samples, list) else list(samples)
-        plan = GATHER.layout(rows, used, offsets, keys, exts, checked)
-    except (TypeError, ValueError, OverflowError) as exc:
+        plan: bytes = GATHER.layout_packed(
+            samples.frame,
+            samples.exts,
+            samples.first,
+            samples.count,
+            used,
+            offsets,
+            keys,
+            exts,
+            checked,
+        )
+    except (TypeError, ValueError, OverflowError, IndexError) as exc:
         raise ProtocolError(f"{MALFORMED}: {exc}") from None
     return plan
 
@@ -576,28 +575,40 @@ class LocalRead:
         self,
         files: LocalFiles,
         header: Header,
+        layout: Any,
         refetch: Any,
         lost: Any,
         *,
         url: str = "",
-        packed: Any = None,
     ) -> None:
         self._files = files
         self._header = header
         self._url = url
         self._refetch = refetch
         self._lost = lost
-        # The layout frame of a packed reply (D34): its samples are PackedRows, not JSON.
-        self.rows: PackedRows | None = None
-        if packed is not None:
-            where = header.get("packed")
-            if not isinstance(where, dict) or not isinstance(where.get("exts"), list):
-                raise ProtocolError("a packed reply without its extensions")
-            frame = getattr(packed, "buffer", packed)  # a zmq.Frame's bytes, not a copy
-            self.rows = PackedRows(frame, list(where["exts"]), 0, int(where["samples"]))
+        # The reply's layout, one packed frame (D34): the compiled reader takes it as it
+        # is, the Python one decodes it once (samples()).
+        where = header.get("packed")
+        if layout is None or not isinstance(where, dict):
+            raise ProtocolError("a local reply without its packed layout")
+        exts, count = where.get("exts"), where.get("samples")
+        if not (isinstance(exts, list) and all(isinstance(e, str) for e in exts)):
+            raise ProtocolError("a packed reply without its extensions")
+        if not isinstance(count, int) or count < 0:
+            raise ProtocolError("a packed reply without its count of samples")
+        frame = getattr(layout, "buffer", layout)  # a zmq.Frame's bytes, not a copy
+        self.rows = PackedRows(frame, exts, 0, count)
+        self._samples: list[list[Any]] | None = None
         self._payload: LocalPayload | None = None
         self._taken = 0  # members taken in order (read_into, frames)
         self._socket: list[Any] | None = None  # the reply's frames, once it fell back
+
+    def samples(self) -> list[list[Any]]:
+        """The reply's samples as ``[key, [[ext, size, offset, checksum], ...]]``
+        (:func:`unpacked`), decoded once."""
+        if self._samples is None:
+            self._samples = unpacked(self.rows)
+        return self._samples
 
     def _fall_back(self, exc: LocalUnavailable) -> list[Any]:
         if self._socket is None:
@@ -609,7 +620,7 @@ class LocalRead:
 
     def _source(self) -> LocalPayload:
         if self._payload is None:
-            self._payload = self._files.payload(self._header, self._url)
+            self._payload = self._files.payload(self._header, self.samples, self._url)
         return self._payload
 
     def member(self, i: int) -> bytes:
@@ -622,14 +633,9 @@ class LocalRead:
         assert self._socket is not None
         return bytes(self._socket[i].bytes)
 
-    def _unpacked(self) -> None:
-        if self.rows is not None:
-            raise ProtocolError("a packed reply is read with read_planned (FastLoader)")
-
     def read_many(self, buffers: Sequence[Any]) -> list[int]:
         """The next members, one into each of ``buffers``; their sizes (see
         :meth:`LocalPayload.read_many`). From the socket's frames once it fell back."""
-        self._unpacked()
         first = self._taken
         self._taken += len(buffers)
         if self._socket is None:
@@ -673,7 +679,6 @@ class LocalRead:
 
     def frames(self) -> list[Any]:
         """Every member not yet taken, read when each is asked for its bytes."""
-        self._unpacked()
         if self._socket is not None:
             rest = self._socket[self._taken :]
             self._taken += len(rest)

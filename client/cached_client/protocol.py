@@ -76,9 +76,10 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"
 
 
-# One member of a packed layout (docs/protocol.md, "Packed layouts"; D34): extension
-# index, flags (1: the checksum is known), size, offset, checksum. The daemon packs it
-# (cached/server.py), the client's compiled reader reads it (client/csrc/_gather.c).
+# One member of a packed layout, the layout of every local reply (docs/protocol.md,
+# "Local reads"; D34, D41): extension index, flags (1: the checksum is known), size,
+# offset, checksum. The daemon packs it (cached/layouts.py); the client's compiled
+# reader (client/csrc/_gather.c) and its Python one (local.unpacked) read it.
 PACKED_MEMBER = struct.Struct("<IIQQQ")
 
 

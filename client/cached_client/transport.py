@@ -34,7 +34,6 @@ from typing import Any
 
 import zmq
 
-from . import local as local_module
 from . import protocol
 from .diagnose import explain_unreachable
 from .errors import (
@@ -119,6 +118,14 @@ class Reply:
         """A local reply's members in the shard file; None for a reply through the socket."""
         return self._local
 
+    def samples(self) -> list[Any]:
+        """The reply's samples, ``[key, [[ext, size, ...], ...]]`` each; a local reply's
+        decoded from its packed layout (once)."""
+        if self._local is not None:
+            return self._local.samples()
+        samples: list[Any] = self.header["samples"]
+        return samples
+
     def read_into(self, buffer: Any) -> int:
         """Receive the next payload frame into ``buffer`` (writable, at least the frame's
         size); returns the frame's size. Raises :class:`ProtocolError` if there is none."""
@@ -175,12 +182,10 @@ class Connection:
         dead_after_s: float = 15.0,
         request_timeout_s: float = 900.0,
         local_reads: bool | None = None,
-        packed: bool = False,
     ) -> None:
         """``local_reads``: read sample bytes from the hot tier's files where this process
         can (None, "auto"), always (True: :class:`LocalReadsUnavailable` where it cannot),
-        or never (False). ``packed``: local replies carry their layout as one binary frame
-        where the daemon offers it and the compiled reader is built (FastLoader, D34)."""
+        or never (False)."""
         tune_malloc()  # before the ZeroMQ context starts its I/O thread
         self.endpoint = endpoint
         self.connect_timeout_s = connect_timeout_s
@@ -196,7 +201,6 @@ class Connection:
         self._standing: dict[str, Header] = {}
         self._messages = 0  # headers received: a Reply left on the socket is valid until the next
         self.local_reads = local_reads
-        self._packed = packed
         self._local_on = local_reads is not False  # reads still ask for local replies
         self._files = LocalFiles()
         self._local_sent: dict[int, Header] = {}  # local reads, until their reply is taken
@@ -302,10 +306,13 @@ class Connection:
         request_id = next(self._ids)
         header = {**header, "id": request_id}
         op = header.get("op")
+        if local and self._local_on and op == Op.READ and "packed" not in self._features:
+            # A local reply's layout is one packed frame (D34); a daemon that cannot send
+            # one (older than this client) is read through the socket.
+            self._lost(LocalUnavailable("the daemon does not send packed layouts", lasting=True))
         if local and self._local_on and op == Op.READ:
             header["local"] = True
-            if self._packed and "packed" in self._features and local_module.GATHER is not None:
-                header["packed"] = True
+            header["packed"] = True  # the only form now; a daemon of 0.1 packs only if asked
             self._local_sent[request_id] = header
         if self._releases and op in (Op.OPEN, Op.READ):
             released = self._releases.pop(str(header.get("stream")), None)
@@ -346,8 +353,8 @@ class Connection:
 
     @property
     def asks_local(self) -> bool:
-        """Whether reads still ask for local replies (they then ask for whole spans: a
-        local reply carries no payload, so its size needs no bound)."""
+        """Whether reads still ask for local replies (each then asks for about 64 MiB and at
+        most 4096 samples; a whole read only of a shard within both)."""
         return self._local_on
 
     @property
@@ -396,6 +403,9 @@ class Connection:
         error of an error reply."""
         reply = self.receive(request_id)
         check_reply(reply.header)
+        if reply.local is not None:
+            # A local reply's samples are in its packed layout: said as a socket reply's.
+            return {**reply.header, "samples": reply.samples()}, reply.frames()
         return reply.header, reply.frames()
 
     def request(self, header: Header) -> tuple[Header, list[zmq.Frame]]:
@@ -499,7 +509,6 @@ class Connection:
 
         self._local_answered = True
 
-        layout = frames[0] if "packed" in header and frames else None
         url = str(sent.get("url", ""))
 
         def refetch() -> list[zmq.Frame]:
@@ -508,10 +517,12 @@ class Connection:
             # Says that the local reply went unused, so the daemon counts its bytes once.
             request["refetch"] = True
             again, frames = self.wait(self.send(request, local=False))
-            check_refetch(url, described(header, layout), again)
+            check_refetch(url, described(local.rows), again)
             return frames
 
-        local = LocalRead(self._files, header, refetch, self._lost, url=url, packed=layout)
+        local = LocalRead(
+            self._files, header, frames[0] if frames else None, refetch, self._lost, url=url
+        )
         return Reply(header, [], local=local)
 
     def _lost(self, exc: LocalUnavailable) -> None:

@@ -5,11 +5,11 @@
  * LocalPayload.read_many) spends about 2.5 us of interpreter time per member: the
  * layout of each member in its extension's buffer, one memoryview slice per member
  * and per gap, and one XXH3 call per member after every run was read. Here one call
- * lays a reply's samples out (layout) and one reads them (read): the runs by preadv
+ * lays a reply's samples out (layout_packed) and one reads them (read): the runs by preadv
  * straight into the ring's buffers, each member checked while it is still in cache,
  * without the GIL. docs/decisions.md, D32.
  *
- * The plan that layout returns is a bytes object of `struct place`, one per member in
+ * The plan that layout_packed returns is a bytes object of `struct place`, one per member in
  * order; read takes it with the buffers of its extensions. Either function's failure
  * modes are the Python path's: a short read or a failed checksum is returned (the
  * caller falls back to the socket), an OSError is raised.
@@ -43,7 +43,7 @@
 enum { HAS_OFFSET = 1, HAS_CHECKSUM = 2 };
 
 struct place {
-    uint32_t ext;      /* index into the extension list layout returns */
+    uint32_t ext;      /* index into the extension list layout_packed returns */
     uint32_t flags;    /* HAS_OFFSET, HAS_CHECKSUM */
     uint64_t at;       /* where in its extension's buffer */
     uint64_t size;
@@ -83,24 +83,11 @@ static int append_long(PyObject *list, unsigned long long value) {
     return failed;
 }
 
-static int member_u64(PyObject *member, Py_ssize_t i, uint64_t *out) {
-    PyObject *v = PyList_GET_ITEM(member, i);
-    if (!PyLong_Check(v)) {
-        PyErr_Format(PyExc_TypeError, "member field %zd is not an integer", i);
-        return -1;
-    }
-    unsigned long long x = PyLong_AsUnsignedLongLong(v);
-    if (x == (unsigned long long)-1 && PyErr_Occurred())
-        return -1;
-    *out = x;
-    return 0;
-}
-
 /* What one layout call keeps of each extension it meets: the bytes used in its buffer
  * (written back to `used` at the end), its offsets list, its index in `exts`. As many
  * as the reply names (any number: the array grows), found by name through `by_name`. */
 struct ext_state {
-    PyObject *name; /* borrowed from the layout's members or `names` */
+    PyObject *name; /* borrowed from `names` */
     unsigned long long at;
     PyObject *offs; /* borrowed from `offsets` */
     uint32_t index;
@@ -259,79 +246,8 @@ static int write_back(struct layout_state *st) {
     return 0;
 }
 
-/* layout(samples, used, offsets, keys, exts, checked) -> plan
- *
- * What _Filling.receive's loop does, for `samples` ([key, members], each member
- * [ext, size] or [ext, size, offset, checksum]): each member placed after the bytes
- * already `used` of its extension, `offsets` and `keys` extended as the batch records
- * them. `exts` (a list) maps the plan's extension indices to names; new ones are
- * appended. `checked`: take the fourth field as a checksum. */
-static PyObject *layout(PyObject *self, PyObject *args) {
-    struct layout_state st = {0};
-    PyObject *samples;
-    int checked;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!p", &PyList_Type, &samples, &PyDict_Type, &st.used,
-                          &PyDict_Type, &st.offsets, &PyList_Type, &st.keys, &PyList_Type,
-                          &st.exts, &checked))
-        return NULL;
-    Py_ssize_t count = 0, ns = PyList_GET_SIZE(samples);
-    for (Py_ssize_t s = 0; s < ns; s++) {
-        PyObject *sample = PyList_GET_ITEM(samples, s);
-        if (!PyList_Check(sample) || PyList_GET_SIZE(sample) != 2 ||
-            !PyList_Check(PyList_GET_ITEM(sample, 1))) {
-            PyErr_SetString(PyExc_TypeError, "a sample is not [key, members]");
-            return NULL;
-        }
-        count += PyList_GET_SIZE(PyList_GET_ITEM(sample, 1));
-    }
-    PyObject *plan = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(struct place));
-    if (plan == NULL)
-        return NULL;
-    if (layout_begin(&st) < 0)
-        goto fail;
-    struct place *p = (struct place *)PyBytes_AS_STRING(plan);
-    for (Py_ssize_t s = 0; s < ns; s++) {
-        PyObject *sample = PyList_GET_ITEM(samples, s);
-        PyObject *members = PyList_GET_ITEM(sample, 1);
-        Py_ssize_t n = PyList_GET_SIZE(st.keys), nm = PyList_GET_SIZE(members);
-        for (Py_ssize_t m = 0; m < nm; m++, p++) {
-            PyObject *member = PyList_GET_ITEM(members, m);
-            Py_ssize_t fields = PyList_Check(member) ? PyList_GET_SIZE(member) : 0;
-            if (fields < 2 || !PyUnicode_Check(PyList_GET_ITEM(member, 0))) {
-                PyErr_SetString(PyExc_TypeError, "a member is not [ext, size, ...]");
-                goto fail;
-            }
-            memset(p, 0, sizeof *p);
-            if (member_u64(member, 1, &p->size) < 0)
-                goto fail;
-            if (fields >= 3 && PyList_GET_ITEM(member, 2) != Py_None) {
-                if (member_u64(member, 2, &p->offset) < 0)
-                    goto fail;
-                p->flags |= HAS_OFFSET;
-            }
-            if (checked && fields >= 4 && PyList_GET_ITEM(member, 3) != Py_None) {
-                if (member_u64(member, 3, &p->checksum) < 0)
-                    goto fail;
-                p->flags |= HAS_CHECKSUM;
-            }
-            if (place(&st, p, PyList_GET_ITEM(member, 0), n) < 0)
-                goto fail;
-        }
-        if (end_sample(&st, PyList_GET_ITEM(sample, 0), n, nm) < 0)
-            goto fail;
-    }
-    if (write_back(&st) < 0)
-        goto fail;
-    layout_end(&st);
-    return plan;
-fail:
-    layout_end(&st);
-    Py_DECREF(plan);
-    return NULL;
-}
-
-/* The packed layout of a local reply (docs/protocol.md, "Packed layouts"; made by the
- * daemon's cached/packed.py): little-endian
+/* The packed layout of a local reply (docs/protocol.md, "Local reads"; made by the
+ * daemon's cached/layouts.py, decoded alike by local.py's unpacked): little-endian
  *   u32 samples, u32 members,
  *   u32 first_member[samples + 1], u32 key_start[samples + 1],
  *   members x {u32 ext, u32 flags (1: has a checksum), u64 size, u64 offset, u64 checksum},
@@ -378,8 +294,10 @@ bad:
 
 /* layout_packed(frame, names, first, count, used, offsets, keys, exts, checked) -> plan
  *
- * layout() for samples first..first+count of a packed layout (`names`: its extension
- * names, by index), without a Python object per member. */
+ * Lays samples first..first+count of a packed layout (`names`: its extension names, by
+ * index) out after the batch's `used` bytes, without a Python object per member: `used`,
+ * `offsets` and `keys` extended as FastLoader's Python loop would, `exts` the names of
+ * the plan's extension indices. */
 static PyObject *layout_packed(PyObject *self, PyObject *args) {
     struct layout_state st = {0};
     Py_buffer frame;
@@ -595,8 +513,8 @@ static PyObject *checksum(PyObject *self, PyObject *arg) {
 }
 
 static PyMethodDef methods[] = {
-    {"layout", layout, METH_VARARGS, "Lay a reply's samples out in a batch's buffers."},
-    {"layout_packed", layout_packed, METH_VARARGS, "layout() from a packed layout."},
+    {"layout_packed", layout_packed, METH_VARARGS,
+     "Lay a packed layout's samples out in a batch's buffers."},
     {"read", read_plan, METH_VARARGS, "Read laid-out members from a shard file."},
     {"checksum", checksum, METH_O, "XXH3-64 of a buffer."},
     {NULL, NULL, 0, NULL},

@@ -334,7 +334,7 @@ def fast_rate(conn: Connection, urls: Sequence[str], seconds: float) -> float | 
         for _, rid in reads:
             reply = conn.receive(rid, in_place=True)
             check_reply(reply.header)
-            for _key, members in reply.header["samples"]:
+            for _key, members in reply.samples():
                 for _ext, size, *_ in members:
                     if size > len(buf):
                         buf = bytearray(size)
