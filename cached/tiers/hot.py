@@ -1,4 +1,7 @@
-"""The hot tier: a directory on local NVMe holding whole shards, bounded in bytes.
+"""The hot tier's state machine: which shards a directory on local NVMe holds, bounded in
+bytes, in what state, who pins them, what they take of the bound, and which go when room
+is short or a copy is found corrupt. Writing a shard's files is :mod:`.writer`'s job;
+computing and comparing checksums, :mod:`.verify`'s.
 
 Files, content-addressed by shard id (a hash of endpoint, URL and version):
 
@@ -8,7 +11,7 @@ Files, content-addressed by shard id (a hash of endpoint, URL and version):
 - ``<id>.*.partial`` work in progress, removed at start.
 
 Integrity (:mod:`.verify`): the checksum of the whole file and of every member are computed
-while the shard streams in. Every read checks the members it serves against theirs
+while the shard streams in (:mod:`.writer`). Every read checks the members it serves against theirs
 (``verify_reads``), so bytes that rotted on disk are never sent: the shard is dropped
 and fetched again. A read that fails (EIO, a file shorter than its index) drops the shard
 the same way; reads are ``preadv`` (:mod:`.pread`), never a mapping, whose unreadable page
@@ -47,13 +50,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CacheError, CacheFull, NotATarError
+from ..errors import CacheError, CacheFull
 from ..policy import EvictionPolicy
 from ..sources.base import ObjectInfo
-from .index import Member, ShardIndex, TarIndexer
+from .index import Member, ShardIndex
 from .pread import ShardFile, read_members
 from .sidecar import Sidecar
-from .verify import ALGORITHM, StreamSums, check_file
+from .verify import ALGORITHM, check_file
+from .writer import ShardFiles, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -510,7 +514,7 @@ class HotTier:
             return  # gone, or fetched again (its download writes its own sidecar)
         try:
             old = idx.stat().st_size
-            await asyncio.to_thread(_write_atomically, idx, data)
+            await asyncio.to_thread(write_atomically, idx, data)
         except OSError as exc:
             log.warning("could not rewrite the index of %s: %s", shard.url, exc)
             return
@@ -772,43 +776,27 @@ class HotTier:
 
 
 class ShardWriter:
-    """Writes one shard: bytes go to a partial file and through the tar indexer as they arrive."""
+    """Writes one shard: bytes go to a partial file and through the tar indexer as they arrive.
+
+    The files are written by a :class:`.writer.ShardFiles`; this handle keeps the tier's
+    side: what the bytes have taken of the reservation, and the shard's publication
+    (FETCHING to READY) or abort.
+    """
 
     def __init__(self, hot: HotTier, shard: Shard) -> None:
         self.hot = hot
         self.shard = shard
-        self._partial = hot.dir / f"{shard.shard_id}.tar.partial"
-        self._file = open(self._partial, "wb")  # noqa: SIM115 - closed by publish/abort
-        self._indexer = TarIndexer(shard.url)
-        self._sums = StreamSums()
-        self._not_a_tar: NotATarError | None = None
+        self._files = ShardFiles(hot._tar(shard.shard_id), hot._idx(shard.shard_id), shard.url)
         self.bytes_written = 0
         # Of the reservation, what has been taken off the tier's unwritten bytes (None
         # once all of it has: published or aborted).
         self._landed: int | None = 0
 
-    def _write(self, run: Sequence[bytes]) -> None:
-        if self._not_a_tar is not None:
-            return
-        for chunk in run:
-            try:
-                self._indexer.feed(chunk)
-            except NotATarError as exc:
-                # Held until the download ends: a header damaged in transit looks exactly
-                # like a corrupt archive, and only the body's checksum (checked at the end,
-                # when the source may fetch it again) tells the two apart. publish()
-                # raises it.
-                self._not_a_tar = exc
-                return
-            self._file.write(chunk)
-            # The checksums come from the very bytes written, in the same pass.
-            self._sums.update(chunk, self._indexer.found)
-
     async def write(self, run: Sequence[bytes]) -> None:
         """Append a run of chunks; disk, index and checksum work run off the event loop.
         Bytes that are not a tar archive are dropped, and :meth:`publish` raises
         NotATarError."""
-        await asyncio.to_thread(self._write, run)
+        await asyncio.to_thread(self._files.write, run)
         n = sum(map(len, run))
         self.bytes_written += n
         if self._landed is not None:
@@ -825,30 +813,20 @@ class ShardWriter:
     async def rewind(self) -> None:
         """Start again from byte 0: the source sends the whole object again (a body that
         failed its checksum in transit). Keeps the reservation."""
-        await asyncio.to_thread(self._truncate)
-        self._indexer = TarIndexer(self.shard.url)
-        self._sums = StreamSums()
-        self._not_a_tar = None
+        await asyncio.to_thread(self._files.rewind)
         self.bytes_written = 0
         if self._landed is not None:
             self.hot._unwritten += self._landed
             self._landed = 0
 
-    def _truncate(self) -> None:
-        self._file.seek(0)
-        self._file.truncate()
-
     async def publish(self) -> Shard:
         """Finish the index, write the sidecar, then rename the shard into place atomically."""
         shard, hot = self.shard, self.hot
-        if self._not_a_tar is not None:
-            raise self._not_a_tar
-        index = self._indexer.finish()
-        sums = self._sums
-        if len(sums.member_sums) != len(self._indexer.found) or sums.size != index.size_bytes:
-            raise CacheError(f"{shard.url}: checksums do not cover the shard (a bug)")
-        shard.checksum, shard.published = sums.whole, time.time()
-        index = await asyncio.to_thread(self._finish_files, index, sums.member_sums)
+        shard.checksum, shard.published = self._files.finish(), time.time()
+        mode = SHARED_FILE_MODE if hot.shared else None
+        index = await asyncio.to_thread(
+            self._files.publish, shard.version, shard.info, shard.published, mode
+        )
         shard.index = index
         actual = index.size_bytes + hot._idx(shard.shard_id).stat().st_size
         self._settle()
@@ -860,25 +838,9 @@ class ShardWriter:
         hot._notify()
         return shard
 
-    def _finish_files(self, index: ShardIndex, sums: list[int]) -> ShardIndex:
-        shard = self.shard  # read only: this runs in a worker thread
-        index = index.with_checksums(sums, ALGORITHM)
-        car = Sidecar(shard.url, shard.version, index, shard.info, shard.checksum, shard.published)
-        meta = car.to_bytes()
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        _write_atomically(self.hot._idx(self.shard.shard_id), meta)
-        if self.hot.shared:
-            os.chmod(self._partial, SHARED_FILE_MODE)
-        os.replace(self._partial, self.hot._tar(self.shard.shard_id))
-        return index
-
     def abort(self) -> None:
         """Drop the partial file (and a sidecar written for it) and the reservation."""
-        with contextlib.suppress(OSError):  # a full disk can fail the flush of a close
-            self._file.close()
-        self._partial.unlink(missing_ok=True)
+        self._files.discard()
         self._settle()
         hot = self.hot
         if hot._shards.get(self.shard.shard_id) is self.shard:
@@ -896,14 +858,3 @@ def _sidecar(shard: Shard) -> Sidecar:
     return Sidecar(
         shard.url, shard.version, shard.index, shard.info, shard.checksum, shard.published
     )
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write ``path`` through a partial file and a rename: readers see old or new."""
-    partial = path.with_name(path.name + ".partial")
-    try:
-        partial.write_bytes(data)
-        os.replace(partial, path)
-    except OSError:
-        partial.unlink(missing_ok=True)  # a full disk: leave nothing half written
-        raise
