@@ -10,7 +10,10 @@ fault proxy sits in front of either store. One server of each kind per session.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +107,15 @@ def quick_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     from cached import lookups
 
     monkeypatch.setattr(lookups, "PROBE_S", 0.2)
+
+
+@pytest.fixture
+def public_dir() -> Iterator[Path]:
+    """A directory every user may search, for a daemon's socket that other users reach
+    (tmp_path's parents are 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="cached-public-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -14,7 +14,6 @@ import socket
 import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,17 +27,6 @@ NOBODY = 65534
 GROUP = 4242  # a gid no user has: only the children given it are in the group
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other users")
-
-
-@pytest.fixture
-def public_dir() -> Iterator[Path]:
-    """A directory every user may search (tmp_path's parents are 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="cached-access-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def config(directory: Path, **server: Any) -> tuple[Path, str]:
