@@ -32,11 +32,11 @@ It fails (exit 1) on:
   at ``--ref-at`` (60 s; a third of the run when shorter: 20 s for the 60 s CI run),
   comparing the medians of the 1 s samples in a window around each (10 s; 5 s when short);
 - descriptor growth: at the end, the median count of descriptors other than the hot
-  tier's shard maps (those follow the resident shards) above its highest at the
+  tier's shard files (those follow the resident shards) above its highest at the
   reference, while their fitted trend from the reference on gains one or more (either
   alone is the downloads in flight); and after the load, every descriptor but the shard
-  maps must return to the idle set of before it (client connections closed, downloads
-  done), with no descriptor on an evicted shard and no more shard maps than resident
+  files must return to the idle set of before it (client connections closed, downloads
+  done), with no descriptor on an evicted shard and no more shard files than resident
   shards;
 - any exception in any stream, a warning from a client, an ERROR or a traceback in the
   daemon's log;
@@ -570,12 +570,12 @@ class ProcSample:
     rss_anon: int
     rss_file: int
     fds: int
-    maps: int  # of the fds, the hot tier's mapped shards (*.tar): bounded by its shards
+    maps: int  # of the fds, the hot tier's open shard files (*.tar): bounded by its shards
     threads: int
 
     @property
     def other_fds(self) -> int:
-        """Descriptors other than shard maps: sockets, pipes, downloads, the log."""
+        """Descriptors other than shard files: sockets, pipes, downloads, the log."""
         return self.fds - self.maps
 
 
@@ -775,16 +775,17 @@ class Watcher:
 
 
 def not_hot(kinds: dict[str, int]) -> dict[str, int]:
-    """Descriptor kinds other than the hot tier's shard maps."""
+    """Descriptor kinds other than the hot tier's shard files."""
     return {k: n for k, n in kinds.items() if not k.startswith("hot tier")}
 
 
 def settle_fds(watcher: Watcher, pid: int, hot_dir: Path, before: dict[str, int]) -> dict[str, Any]:
     """After the clients left: wait (up to ``SETTLE_S``) until every descriptor but the
-    hot tier's shard maps is back to the idle set of before the load (client connections
+    hot tier's shard files is back to the idle set of before the load (client connections
     closed, downloads finished), and no descriptor holds a deleted (evicted) shard. The
-    hot tier's maps must then number at most its resident shards: CPython's mmap keeps a
-    descriptor per mapped shard, and an evicted shard must have let its go."""
+    hot tier's files must then number at most its resident shards: the daemon keeps one
+    descriptor per shard it serves through the socket (``pread.ShardFile``), and an
+    evicted shard must have let its go."""
     give_up = time.monotonic() + SETTLE_S
     while True:
         kinds = fd_kinds(pid, hot_dir)

@@ -63,7 +63,7 @@ class Bounds:
             per_user=Cap(
                 limit := int(capacity_bytes * share),
                 "[server] max_pinned_share_per_user",
-                f"[server] max_pinned_share_per_user = {share:g} of [cache] capacity: "
+                f"[server] max_pinned_share_per_user = {share:g} of the hot tier: "
                 f"{format_size(limit)}",
             ),
             show=format_size,

@@ -86,7 +86,7 @@ class ServerConfig:
     socket: str = DEFAULT_SOCKET
     http: str = "127.0.0.1:9464"
     # A stream's pin on a shard lapses this long after its last request or its connection's
-    # last heartbeat (a killed or stopped client).
+    # last heartbeat (a killed or stopped client), at the next sweep: up to 1.25x this.
     lease_timeout_s: float = 120.0
     # Largest number of samples one read request may ask for.
     max_read_samples: int = 4096
@@ -110,7 +110,8 @@ class ServerConfig:
     max_plan_urls: int = 8_000_000
     max_leases_per_user: int = 16384
     max_leases: int = 65536
-    # The bytes one user's leases may pin, as a share of [cache] capacity.
+    # The bytes one user's leases may pin, as a share of the hot tier's bound when the
+    # daemon started (computed once).
     max_pinned_share_per_user: float = 0.75
     # Training jobs' reports (cached/jobs.py): a process silent this long is forgotten (live
     # ones report at least every 30 s), and at most this many jobs are followed at once

@@ -278,11 +278,12 @@ def test_replies_a_slow_client_cannot_take_yet_wait_and_others_are_served(
     tmp_path: Path,
 ) -> None:
     """The socket is sent to without blocking (D30): replies past a client's queue (the
-    ROUTER's high-water mark of 1000, then the kernel's buffer) are tried again until the
-    client reads; each arrives once, and another client is answered meanwhile. Through
-    zmq.asyncio (fd2f543) the last replies never arrived: their sends waited for a
-    writable event that did not come. (Within [server] max_requests_per_client: past it a
-    client's requests are refused, tests/test_fairness.py.)"""
+    ROUTER's high-water mark, SNDHWM 16, then the kernel's buffer) wait in the daemon
+    (Peer.backlog) and are tried again until the client reads; each arrives once, and
+    another client is answered meanwhile. Through zmq.asyncio (fd2f543) the last replies
+    never arrived: their sends waited for a writable event that did not come. (Within
+    [server] max_requests_per_client: past it a client's requests are refused,
+    tests/test_fairness.py.)"""
     sent = 1200
     cfg = daemon_config(tmp_path, None, **{"server.max_requests_per_client": 2000})
     with thread_daemon(cfg) as d:
