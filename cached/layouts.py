@@ -4,7 +4,7 @@ read's layout as one packed frame (docs/protocol.md, "Local reads"; D34, D41).
 A local reader reads the members from the shard file itself, so its reply carries, per
 member, the extension, size, offset and checksum, and no payload. That layout is the
 only one local replies have: the compiled reader (``_gather.c`` ``layout_packed``) and
-the Python one (``cached_client.local.unpacked``) both take it. A whole shard's layout
+the Python one (``cached_client.layouts.unpacked``) both take it. A whole shard's layout
 is made once and kept with its index, for a few extension lists.
 """
 

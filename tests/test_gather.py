@@ -20,7 +20,8 @@ import xxhash
 from cached_client import local
 from cached_client.buffers import Slot
 from cached_client.fast import _Filling
-from cached_client.local import LocalFiles, LocalUnavailable, PackedRows
+from cached_client.layouts import PackedRows
+from cached_client.local import LocalFiles, LocalUnavailable
 
 from cached.demo.tars import make_tar
 from tests.layouts import local_read, packed

@@ -19,10 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import cached_client.local as local_module
 import pytest
 import zmq
-from cached_client import CachedDataset, FastLoader, protocol
+from cached_client import CachedDataset, FastLoader, layouts, protocol
 from cached_client.errors import ProtocolError
 
 from cached.layouts import MAX_KEPT_LAYOUTS
@@ -285,9 +284,9 @@ def test_a_stopped_reader_whose_leases_lapsed_and_shards_went_reads_on(
     assert out == ["read", "60", "bad", "0"]
 
 
-def _layout(header: dict[str, Any], frame: Any) -> local_module.PackedRows:
+def _layout(header: dict[str, Any], frame: Any) -> layouts.PackedRows:
     """A local reply's layout, as the reader takes it."""
-    return local_module.PackedRows(frame, header["packed"]["exts"], 0, header["packed"]["samples"])
+    return layouts.PackedRows(frame, header["packed"]["exts"], 0, header["packed"]["samples"])
 
 
 def test_a_read_through_the_socket_is_checked_against_the_local_reply_it_replaces(
@@ -313,18 +312,18 @@ def test_a_read_through_the_socket_is_checked_against_the_local_reply_it_replace
             sock.close(linger=0)
     local = protocol.decode(local_frames[0])
     assert "local" in local and "packed" in local and "samples" not in local
-    described = local_module.described(_layout(local, local_frames[1]))
+    described = layouts.described(_layout(local, local_frames[1]))
     assert [key for key, _ in described] == [f"s0001-{i:05d}" for i in range(2, 9)]
     assert all(members == [("bin", 3000)] for _, members in described)
     again = protocol.decode(socket_frames[0])
-    local_module.check_refetch(urls[1], described, again)  # the same samples: no error
+    layouts.check_refetch(urls[1], described, again)  # the same samples: no error
     for changed in (
         {**again, "samples": again["samples"][:-1]},
         {**again, "samples": [["other", again["samples"][0][1]], *again["samples"][1:]]},
         {**again, "samples": [[again["samples"][0][0], [["bin", 2999]]], *again["samples"][1:]]},
     ):
         with pytest.raises(ProtocolError, match=r"shard-0001\.tar: the read through the socket"):
-            local_module.check_refetch(urls[1], described, changed)
+            layouts.check_refetch(urls[1], described, changed)
 
 
 def test_the_daemon_keeps_a_few_whole_shard_layouts_whatever_clients_ask_for(
@@ -347,7 +346,7 @@ def test_the_daemon_keeps_a_few_whole_shard_layouts_whatever_clients_ask_for(
                 frames = sock.recv_multipart()
                 header = protocol.decode(frames[0])
                 assert header["ok"] and header["next"] == 5
-                got = local_module.described(_layout(header, frames[1]))
+                got = layouts.described(_layout(header, frames[1]))
                 assert [m for _, m in got] == [[("bin", 100)]] * 5
         finally:
             sock.close(linger=0)

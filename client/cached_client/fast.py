@@ -27,7 +27,8 @@ from . import placement as placement_module
 from .buffers import Batch, Ring, Slot, pinned_memory_available
 from .device import CopyStream, require_device, with_index
 from .errors import ProtocolError, UsageError, check_reply
-from .local import LocalRead, PackedRows, choose, laid_out, plan_places
+from .layouts import PackedRows, check_rows
+from .local import LocalRead, choose, laid_out, plan_places
 from .reader import announce, pipelined_reads, shard_lengths
 from .resume import Position, Ref
 from .transport import Connection, Reply, resolve_endpoint
@@ -396,7 +397,7 @@ class _Filling:
             # refused alike.
             assert local is not None
             rows = local.samples()[samples.first : samples.first + samples.count]
-            local_module.check_rows(rows, self.used, checked=local.checked())
+            check_rows(rows, self.used, checked=local.checked())
         else:
             rows = samples
         places: list[tuple[str, int]] = []  # (ext, at) of each member, in order

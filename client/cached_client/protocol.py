@@ -79,7 +79,7 @@ class ErrorCode(StrEnum):
 # One member of a packed layout, the layout of every local reply (docs/protocol.md,
 # "Local reads"; D34, D41): extension index, flags (1: the checksum is known), size,
 # offset, checksum. The daemon packs it (cached/layouts.py); the client's compiled
-# reader (client/csrc/_gather.c) and its Python one (local.unpacked) read it.
+# reader (client/csrc/_gather.c) and its Python one (layouts.unpacked) read it.
 PACKED_MEMBER = struct.Struct("<IIQQQ")
 
 

@@ -79,13 +79,6 @@ def _length(conn: Connection, url: str, rid: int) -> int:
     return int(header["samples"])
 
 
-def done(conn: Connection, url: str, stream: str) -> None:
-    """The stream is done with a shard: close its file (local reads), then release its pin
-    without waiting (with the stream's next request, see :meth:`Connection.release`)."""
-    conn.done_with(url)
-    conn.release(url, stream)
-
-
 def announce(conn: Connection, plan: str, urls: Sequence[str], job: str = "") -> bool:
     """Tell the daemon the shards this reader will read, in order (the rest of this epoch,
     then the next), so it prefetches ahead and evicts what is needed last. Reads then move
@@ -302,11 +295,11 @@ def pipelined_reads(
                 # The daemon releases a pin at the shard's end, except a local reader's:
                 # that holds the file open until here, and must close it first.
                 if read.partial or conn.holds_local_leases:
-                    done(conn, read.url, stream)
+                    conn.release(read.url, stream)  # its files closed, then its pin
     finally:
         conn.forget([rid for rid, _ in pending] + [r for _, _, r, _ in opens if r is not None])
         for url in held:
-            done(conn, url, stream)
+            conn.release(url, stream)
         conn.flush_releases(stream)  # no request of this stream follows to carry them
 
 

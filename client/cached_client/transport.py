@@ -46,14 +46,8 @@ from .errors import (
     check_reply,
 )
 from .heartbeat import Heartbeat
-from .local import (
-    LocalFiles,
-    LocalRead,
-    LocalUnavailable,
-    check_refetch,
-    copy_frame,
-    described,
-)
+from .layouts import check_refetch, described
+from .local import LocalFiles, LocalRead, LocalUnavailable, copy_frame
 from .memory import tune_malloc
 from .protocol import (
     DEFAULT_SOCKET,
@@ -360,7 +354,7 @@ class Connection:
     @property
     def holds_local_leases(self) -> bool:
         """Whether the daemon has answered a read locally on this connection: then it
-        keeps the stream's leases until ``close`` (see :meth:`done_with`), also after the
+        keeps the stream's leases until ``close`` (see :meth:`release`), also after the
         connection went back to the socket."""
         return self._local_answered
 
@@ -368,7 +362,11 @@ class Connection:
         """Give back the stream's pin on ``url``'s shard, without waiting: with the
         stream's next open or read where the daemon understands that (one request less
         per shard), else by a ``close`` now. Best effort: a daemon that is gone lets the
-        lease lapse on its own."""
+        lease lapse on its own.
+
+        The shard's files are closed first, here: the lease is what keeps the daemon from
+        unlinking a file, so no descriptor of this connection outlives it."""
+        self._files.release(url)
         if "release" in self._features:
             self._releases.setdefault(stream, []).append(url)
         else:
@@ -384,11 +382,6 @@ class Connection:
         """Send ``close`` without waiting for its answer (best effort, see :meth:`release`)."""
         with contextlib.suppress(Exception):
             self.send({"op": Op.CLOSE, "url": url, "stream": stream}, reply=False)
-
-    def done_with(self, url: str) -> None:
-        """The reader is done with ``url``'s shard: close its file, which must happen
-        before the lease goes (a daemon keeps a local reader's lease until ``close``)."""
-        self._files.release(url)
 
     def forget(self, request_ids: list[int]) -> None:
         """Stop waiting for these requests: their replies are dropped when they come."""

@@ -247,7 +247,7 @@ static int write_back(struct layout_state *st) {
 }
 
 /* The packed layout of a local reply (docs/protocol.md, "Local reads"; made by the
- * daemon's cached/layouts.py, decoded alike by local.py's unpacked): little-endian
+ * daemon's cached/layouts.py, decoded alike by the client's layouts.py (unpacked)): little-endian
  *   u32 samples, u32 members,
  *   u32 first_member[samples + 1], u32 key_start[samples + 1],
  *   members x {u32 ext, u32 flags (1: has a checksum), u64 size, u64 offset, u64 checksum},
