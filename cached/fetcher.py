@@ -35,6 +35,7 @@ from .metrics import Metrics
 from .slots import DEMAND, PREFETCH, PrioritySlots
 from .sources.base import ObjectChanged, ObjectInfo, Opened, Rewind, Sink
 from .sources.retry import StoreUnavailable
+from .tiers.checks import Checks
 from .tiers.hot import HotTier, NotAdmitted, Shard, ShardWriter
 
 __all__ = ["AHEAD", "DEMAND", "PREFETCH", "Fetcher", "PrioritySlots", "SourceLike", "shard_id"]
@@ -149,11 +150,12 @@ class Fetcher:
         self._promotions: set[asyncio.Task[None]] = set()
         metrics.store_reachable.set_function(lambda: float(self.lookups.health.reachable))
         hot.on_corrupt(lambda _shard, found: metrics.corrupt_shards.labels(found).inc())
+        self.checks = Checks(hot)
         # Reloaded shards are read back in the background; readiness does not wait.
-        self._checks: asyncio.Task[None] | None = None
+        self._checking: asyncio.Task[None] | None = None
         with contextlib.suppress(RuntimeError):  # no running loop: nothing to check in
-            self._checks = asyncio.get_running_loop().create_task(
-                hot.verify_all(), name="check reloaded shards"
+            self._checking = asyncio.get_running_loop().create_task(
+                self.checks.verify_all(), name="check reloaded shards"
             )
 
     async def info(self, url: str, *, revalidate: bool = False) -> ObjectInfo:
@@ -186,7 +188,7 @@ class Fetcher:
         """The store described ``info``: a resident copy from an old sidecar learns it."""
         shard = self.resident(info)
         if shard is not None and shard.info is None:
-            self.hot.record_origin(shard, info)
+            self.checks.record_origin(shard, info)
 
     def resident(self, info: ObjectInfo) -> Shard | None:
         """The READY shard for this object, if the hot tier has it (a look, not a use)."""
@@ -361,9 +363,9 @@ class Fetcher:
     async def _usable(self, shard: Shard | None) -> Shard | None:
         """``shard`` if it may be served now: a reloaded shard without member checksums
         is checked first (dropped, and None, if it fails)."""
-        if shard is None or not self.hot.needs_check(shard):
+        if shard is None or not self.checks.needs_check(shard):
             return shard
-        return shard if await self.hot.verify(shard) else None
+        return shard if await self.checks.verify(shard) else None
 
     async def _ensure(self, info: ObjectInfo, priority: int, deadline: float) -> tuple[Shard, bool]:
         sid = shard_id(info)
@@ -608,10 +610,10 @@ class Fetcher:
         removes its partial file as it ends (``writer.abort``). At shutdown, once no request
         waits on them and before the sources close, so none outlives the S3 client."""
         # The background checks stop at their next read; their threads are not waited for.
-        self.hot.close()
+        self.checks.close()
         openings = (o.task for o in self._opening.values())
         tasks = {
-            t for t in (*self._inflight.values(), *openings, self._checks) if t and not t.done()
+            t for t in (*self._inflight.values(), *openings, self._checking) if t and not t.done()
         }
         for task in tasks:
             task.cancel()

@@ -18,6 +18,7 @@ from cached.errors import CacheFull
 from cached.planner import Planner
 from cached.policy import BeladyPolicy, EvictionPolicy, LRUPolicy
 from cached.sources.base import ObjectInfo
+from cached.tiers.checks import Checks
 from cached.tiers.hot import (
     SHARED_DIR_MODE,
     SHARED_FILE_MODE,
@@ -382,17 +383,18 @@ async def test_a_copy_fetched_again_after_corruption_starts_afresh(
 
 async def test_needs_check_and_locate_without_read_checks(tmp_path: Path, disk: Disk) -> None:
     hot = HotTier(tmp_path, 10**9, 0, LRUPolicy())
+    checks = Checks(hot)
     shard = await publish(hot, "a")
-    assert not hot.needs_check(shard)
+    assert not checks.needs_check(shard)
     shard.verified = False  # reloaded, not read back yet: every read checks its members
-    assert not hot.needs_check(shard)
+    assert not checks.needs_check(shard)
     assert shard.index is not None
     checked = shard.index
     shard.index = checked.without_checksums()  # an old sidecar's: nothing to check a read by
-    assert hot.needs_check(shard)
+    assert checks.needs_check(shard)
     shard.index = checked
     hot.verify_reads = False
-    assert hot.needs_check(shard)
+    assert checks.needs_check(shard)
     off = HotTier(tmp_path / "off", 10**9, 0, LRUPolicy(), verify_reads=False)
     off.load()
     assert off.locate(await publish(off, "b"))["algorithm"] is None

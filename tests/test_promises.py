@@ -27,6 +27,7 @@ from cached_client.transport import Connection
 from cached.config import Config
 from cached.daemon import Daemon
 from cached.demo.stack import daemon_in_thread
+from cached.tiers.checks import Checks
 from cached.tiers.hot import HotTier
 from tests.daemon import daemon_config, dataset_shards, thread_daemon
 from tests.faultproxy import FaultProxy
@@ -248,10 +249,10 @@ def test_verify_reads_off_serves_the_file_as_it_is_and_checks_only_reloaded_shar
     # A restart reloads the shard: checked before it is first served, and fetched again.
     # (Without the check of every reloaded shard in the background, which could come first.)
 
-    async def no_background_check(self: HotTier) -> None:
+    async def no_background_check(self: Checks) -> None:
         return None
 
-    monkeypatch.setattr(HotTier, "verify_all", no_background_check)
+    monkeypatch.setattr(Checks, "verify_all", no_background_check)
     with thread_daemon(cfg) as d:
         assert read_all(d, urls) == expected
     assert gets(s3_server, bucket, "shard-001.tar") == 2

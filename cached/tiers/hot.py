@@ -16,8 +16,8 @@ while the shard streams in (:mod:`.writer`). Every read checks the members it se
 and fetched again. A read that fails (EIO, a file shorter than its index) drops the shard
 the same way; reads are ``preadv`` (:mod:`.pread`), never a mapping, whose unreadable page
 would be SIGBUS. Shards reloaded at start are also read back whole, in the
-background (:meth:`HotTier.verify_all`); one whose sidecar predates checksums is checked
-before it is first served.
+background (:mod:`.checks`, which uses this tier and is not used by it); one whose sidecar
+predates checksums is checked before it is first served.
 
 Shard states and transitions (only the event loop thread changes them)::
 
@@ -42,7 +42,6 @@ import contextlib
 import enum
 import logging
 import os
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -56,8 +55,7 @@ from ..sources.base import ObjectInfo
 from .index import Member, ShardIndex
 from .pread import ShardFile, read_members
 from .sidecar import Sidecar
-from .verify import ALGORITHM, check_file
-from .writer import ShardFiles, write_atomically
+from .writer import ShardFiles
 
 log = logging.getLogger(__name__)
 
@@ -195,9 +193,6 @@ class HotTier:
         self._pinned_total = 0  # reserved bytes of the pinned shards (pin, unpin)
         # Shards readers are waiting for, by id (see :meth:`wanted`).
         self._wanted: Counter[str] = Counter()
-        self._checks: dict[str, asyncio.Task[bool]] = {}
-        self._writes: set[asyncio.Task[None]] = set()
-        self._stop = threading.Event()
         self._used = 0  # resident + reserved bytes
         # Set (and replaced by a fresh one) whenever a shard is published, evicted or
         # unpinned. An event, not an asyncio.Condition: a waiter cancelled twice (a
@@ -303,9 +298,19 @@ class HotTier:
         """The newest READY shard of ``url``, whatever its version (a look, not a use)."""
         return self.get(self._by_url.get(url, ""), access=False)
 
+    def holds(self, shard: Shard) -> bool:
+        """Whether ``shard`` is still the tier's entry for its id, READY or FETCHING (not
+        evicted or dropped). A copy fetched again after a drop may be the same object: its
+        :attr:`Shard.generation` tells the copies apart."""
+        return self._shards.get(shard.shard_id) is shard
+
     def path(self, shard: Shard) -> Path:
         """The file of a READY shard (pin it while you use the path)."""
         return self._tar(shard.shard_id)
+
+    def sidecar_path(self, shard: Shard) -> Path:
+        """The sidecar (``<id>.idx``) of a READY shard."""
+        return self._idx(shard.shard_id)
 
     def locate(self, shard: Shard) -> dict[str, Any]:
         """Where a local reader finds a READY shard's bytes: the file's path, and its
@@ -374,13 +379,6 @@ class HotTier:
         EIO, a short file) or ``"check"`` (its file, read back)."""
         self._on_corrupt.append(listener)
 
-    def needs_check(self, shard: Shard) -> bool:
-        """Whether ``shard`` must pass :meth:`verify` before it is served: a reloaded shard
-        not yet read back, unless every read checks its members anyway."""
-        if shard.verified:
-            return False
-        return not (self.verify_reads and shard.index is not None and shard.index.checksummed)
-
     async def read(self, shard: Shard, members: Sequence[Member]) -> list[Any]:
         """The bytes of ``members`` of a READY shard, one buffer each (a ZeroMQ message,
         sent as it is), each checked against its checksum first (with ``verify_reads``).
@@ -426,109 +424,11 @@ class HotTier:
         for listener in self._on_corrupt:
             listener(shard, found)
 
-    async def verify(self, shard: Shard) -> bool:
-        """Read a reloaded shard's file back and check it; True if it may be served.
-
-        In a worker thread. A shard whose sidecar has checksums passes if its file's checksum
-        matches. One from an older sidecar is re-hashed: where its version is a plain MD5
-        (a single-part upload's ETag) that is checked, else its bytes are trusted as they
-        are (as before checksums); its sidecar is then written with the checksums. A
-        shard that fails is dropped (and fetched again when needed); False.
-        """
-        if shard.verified:
-            return True
-        sid = shard.shard_id
-        task = self._checks.get(sid)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(self._verify(shard), name=f"check {sid}")
-            self._checks[sid] = task
-            task.add_done_callback(lambda _t: self._checks.pop(sid, None))
-        return await asyncio.shield(task)
-
-    async def _verify(self, shard: Shard) -> bool:
-        assert shard.index is not None
-        path, generation = self._tar(shard.shard_id), shard.generation
-        found = await asyncio.to_thread(
-            check_file, path, shard.index, shard.checksum, shard.version, self._stop
-        )
-        if shard.generation != generation:
-            # A read found the copy rotten meanwhile and it was fetched again: that one is
-            # fresh (or still downloading), whatever this check found in the old file.
-            return shard.state is ShardState.READY and self._shards.get(shard.shard_id) is shard
-        if self._shards.get(shard.shard_id) is not shard or found.ok is None:
-            return False  # evicted meanwhile, or shutting down
-        if not found.ok:
-            self.drop_corrupt(shard, found.detail, "check")
-            return False
-        if shard.checksum is None:
-            # On the loop, with no await before the fields are set: one pass over members.
-            shard.index = shard.index.with_checksums(found.member_sums, ALGORITHM)
-            shard.checksum = found.whole
-            shard.location = None  # its algorithm is known now
-            await self._rewrite_sidecar(shard)
-            log.info("%s predates checksums: %s; checksums stored", shard.url, found.detail)
-        shard.verified = True
-        return True
-
-    async def verify_all(self) -> None:
-        """Check every shard reloaded at start, one after another, off the event loop.
-
-        Readiness does not wait for it: until a shard is checked its reads are checked
-        member by member, or (without member checksums) it is checked first on demand.
-        """
-        pending = [s for s in self._shards.values() if not s.verified]
-        if not pending:
-            return
-        started, before = time.monotonic(), self.corrupt_found
-        total = sum(s.reserved_bytes for s in pending)
-        log.info("checking %d reloaded shards (%d bytes) in the background", len(pending), total)
-        for shard in pending:
-            if self._stop.is_set():
-                return
-            if self._shards.get(shard.shard_id) is shard:
-                await self.verify(shard)
-        log.info(
-            "checked %d reloaded shards in %.1fs: %d corrupt",
-            len(pending),
-            time.monotonic() - started,
-            self.corrupt_found - before,
-        )
-
-    def record_origin(self, shard: Shard, info: ObjectInfo) -> None:
-        """Remember what the store says of a shard loaded from an old sidecar (so that a
-        restart during an outage can serve it); the sidecar is rewritten in the background."""
-        if shard.info is not None or info.url != shard.url or info.version != shard.version:
-            return
-        shard.info = info
-        if shard.checksum is not None:  # else the check that computes it writes the sidecar
-            task = asyncio.get_running_loop().create_task(self._rewrite_sidecar(shard))
-            self._writes.add(task)
-            task.add_done_callback(self._writes.discard)
-
-    async def _rewrite_sidecar(self, shard: Shard) -> None:
-        """Write a READY shard's sidecar again (atomically) and account its new size."""
-        generation = shard.generation
-        data = await asyncio.to_thread(_sidecar(shard).to_bytes)
-        idx = self._idx(shard.shard_id)
-        if self._shards.get(shard.shard_id) is not shard or shard.generation != generation:
-            return  # gone, or fetched again (its download writes its own sidecar)
-        try:
-            old = idx.stat().st_size
-            await asyncio.to_thread(write_atomically, idx, data)
-        except OSError as exc:
-            log.warning("could not rewrite the index of %s: %s", shard.url, exc)
-            return
-        if self._shards.get(shard.shard_id) is shard:
-            shard.reserved_bytes += len(data) - old
-            self._used += len(data) - old
-        else:  # evicted while the file was written: do not leave it behind
-            idx.unlink(missing_ok=True)
-
-    def close(self) -> None:
-        """Stop the background checks at their next read (shutdown)."""
-        self._stop.set()
-        for task in self._checks.values():
-            task.cancel()
+    def resize(self, shard: Shard, delta_bytes: int) -> None:
+        """A shard the tier holds takes ``delta_bytes`` more on disk (fewer if negative):
+        its sidecar was written again. Its reservation and the tier's bytes follow."""
+        shard.reserved_bytes += delta_bytes
+        self._used += delta_bytes
 
     async def changed(self, timeout_s: float) -> None:
         """Wait until a shard is published, evicted or unpinned, or ``timeout_s`` passes."""
@@ -851,10 +751,3 @@ class ShardWriter:
             if self.shard.pins:  # readers of a copy dropped as corrupt still hold it
                 hot._orphans[self.shard.shard_id] = self.shard
             hot._notify()
-
-
-def _sidecar(shard: Shard) -> Sidecar:
-    assert shard.index is not None
-    return Sidecar(
-        shard.url, shard.version, shard.index, shard.info, shard.checksum, shard.published
-    )

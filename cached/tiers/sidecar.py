@@ -12,7 +12,7 @@ The file is one JSON line, then the serialized :class:`ShardIndex` (whose
 
 Sidecars written before checksums have only ``url`` and ``version``: they load with no
 checksum and no origin, and the hot tier checks such a shard before serving it (see
-:meth:`HotTier.verify`), then writes the sidecar again in this form. So do sidecars
+:meth:`Checks.verify`), then writes the sidecar again in this form. So do sidecars
 whose checksums were made with another algorithm than :data:`verify.ALGORITHM`.
 """
 
