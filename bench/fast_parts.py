@@ -51,7 +51,6 @@ class _Timed:
 
     def __init__(self, compiled: Any) -> None:
         self._compiled = compiled
-        self.layout = compiled.layout
         self.layout_packed = compiled.layout_packed
         self.seconds = 0.0
 
