@@ -63,15 +63,8 @@ test: check
 
 bench: $(STAMP)
 	$(PY) bench/serve.py
-	$(PY) bench/transport.py
 	$(PY) bench/epochs.py
 	$(PY) bench/cache_sim.py
-	$(PY) bench/malloc.py
-	$(PY) bench/loop_stall.py
-	$(PY) bench/verify.py
-	$(PY) bench/fetch_cpu.py
-	$(PY) bench/cold_requests.py
-	$(PY) bench/fast_parts.py
 	$(PY) bench/volume.py
 	$(PY) bench/seed.py --repeats 3 --torch-threads 1
 	$(PY) bench/bounds_rss.py
@@ -79,15 +72,8 @@ bench: $(STAMP)
 
 bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/serve.py --small
-	$(PY) bench/transport.py --small
 	$(PY) bench/epochs.py --small
 	$(PY) bench/cache_sim.py --small
-	$(PY) bench/malloc.py --small
-	$(PY) bench/loop_stall.py --small
-	$(PY) bench/verify.py --small
-	$(PY) bench/fetch_cpu.py --small
-	$(PY) bench/cold_requests.py --small
-	$(PY) bench/fast_parts.py --small
 	$(PY) bench/fetch.py --small
 	$(PY) bench/volume.py --shards 8 --samples 160 --epochs 2 --repeats 1
 	$(PY) bench/soak.py --small --compare

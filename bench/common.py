@@ -514,7 +514,7 @@ SHARD_SET_SIZES = ("100KB", "1KB")
 
 
 def shard_set_parser(doc: str | None, small_help: str) -> argparse.ArgumentParser:
-    """The options every shard-set benchmark takes (``serve``, ``transport``): sizes,
+    """The options every shard-set benchmark takes (``serve``): sizes,
     repeats, output. Resolve them with :func:`shard_set_args`."""
     p = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter

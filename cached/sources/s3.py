@@ -380,8 +380,9 @@ class S3Source(OwnsStack):
         self._endpoint = ""
         self._aws = cfg.endpoint_url is None
         # Reads from a streamed GET are gathered up to this size before the sink sees them:
-        # fewer, larger writes and checksum calls downstream (bench/fetch_cpu.py: 4 MiB
-        # took 0.95 ms of CPU per MB against 1.14 at 1 MiB), while memory stays small.
+        # fewer, larger writes and checksum calls downstream (bench/fetch_cpu.py, in git
+        # history: 4 MiB took 0.95 ms of CPU per MB against 1.14 at 1 MiB), while memory
+        # stays small.
         self.chunk_size_bytes = min(cfg.part_size_bytes, 4 << 20)
 
     async def __aenter__(self) -> S3Source:
