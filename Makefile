@@ -69,12 +69,14 @@ bench: $(STAMP)
 	$(PY) bench/seed.py --repeats 3 --torch-threads 1
 	$(PY) bench/bounds_rss.py
 	$(PY) bench/fetch.py
+	$(PY) bench/plan_wire.py
 
 bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/serve.py --small
 	$(PY) bench/epochs.py --small
 	$(PY) bench/cache_sim.py --small
 	$(PY) bench/fetch.py --small
+	$(PY) bench/plan_wire.py --small
 	$(PY) bench/volume.py --shards 8 --samples 160 --epochs 2 --repeats 1
 	$(PY) bench/soak.py --small --compare
 	$(PY) bench/seed.py --small

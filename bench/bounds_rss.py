@@ -33,23 +33,31 @@ def dealer(ctx: zmq.Context[Any], socket: str, **options: int) -> Any:
     return sock
 
 
+def storeless_daemon(directory: Path, **prefetch: Any) -> tuple[Path, str]:
+    """The config and socket of a ``cached serve`` in ``directory`` with a store it never
+    contacts (no lookahead: the prefetcher fetches nothing), for measuring the daemon
+    itself; ``prefetch`` adds ``[prefetch]`` keys."""
+    socket = f"ipc://{directory}/cached.sock"
+    config = write_config(
+        directory / "config.toml",
+        {
+            "server": {"socket": socket, "http": "127.0.0.1:0"},
+            "cache": {"dir": str(directory / "hot"), "capacity": "1GiB", "min_free": "0"},
+            "s3": {"endpoint_url": "http://127.0.0.1:9"},
+            "prefetch": {"lookahead": "0", **prefetch},
+        },
+    )
+    return config, socket
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--connections", type=int, default=200)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        socket = f"ipc://{directory}/cached.sock"
-        config = write_config(
-            directory / "config.toml",
-            {
-                "server": {"socket": socket, "http": "127.0.0.1:0"},
-                "cache": {"dir": str(directory / "hot"), "capacity": "1GiB", "min_free": "0"},
-                "s3": {"endpoint_url": "http://127.0.0.1:9"},
-                # Plans of closed connections go at once: their memory is measured after.
-                "prefetch": {"lookahead": "0", "plan_grace_s": 0},
-            },
-        )
+        # Plans of closed connections go at once: their memory is measured after.
+        config, socket = storeless_daemon(directory, plan_grace_s=0)
         ctx: zmq.Context[Any] = zmq.Context()
         with DaemonProcess(config, socket) as daemon:
             assert daemon.proc is not None

@@ -103,7 +103,8 @@ class ServerConfig:
     max_requests_per_client: int = 256
     reply_timeout_s: float = 30.0
     # The same caps per local user (the uid of an ipc connection; a tcp connection is a
-    # user of its own) and for all clients together. A plan costs ~340 bytes per URL.
+    # user of its own) and for all clients together. A plan costs 340-560 bytes per URL
+    # (bench/bounds_rss.py, bench/plan_wire.py).
     max_plans_per_user: int = 1024
     max_plans: int = 4096
     max_plan_urls_per_user: int = 4_000_000
