@@ -84,7 +84,7 @@ bench-small: $(STAMP) $(PEERS_STAMP)
 
 # The peers side by side (docs/benchmarks.md, "Peers side by side"): webdataset, Mosaic
 # Streaming, litdata, s3torchconnector and cached on one shaped S3 link, at 40 and 400 MB/s,
-# the dataset fitting the cache and twice it; rewrites docs/peers.png. About 40 minutes here.
+# the dataset fitting the cache and twice it; rewrites docs/peers.png. About 20 minutes here.
 bench-peers: $(PEERS_STAMP)
 	$(PEERS_PY) bench/peers.py --chart docs/peers.png
 
