@@ -46,15 +46,14 @@ def packed_layout(
     reader asks for whole shards, every epoch, and listing each member was most of what
     the daemon still spent on serving it."""
     whole = start == 0 and stop == len(index.samples)
-    key = ("packed", wanted)
-    if whole and key in index.memo:
-        kept: tuple[Packed, int] = index.memo[key]
+    if whole and wanted in index.memo:
+        kept: tuple[Packed, int] = index.memo[wanted]
         return kept
     made = pack(index.samples[start:stop], wanted)
     if whole:
         while len(index.memo) >= MAX_KEPT_LAYOUTS:
             del index.memo[next(iter(index.memo))]
-        index.memo[key] = made
+        index.memo[wanted] = made
     return made
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import CachedError
+from .once import joined
 from .sources.base import ObjectInfo
 from .sources.retry import StoreUnavailable
 from .store_health import StoreHealth
@@ -163,12 +164,7 @@ class Lookups:
 
     async def _ask(self, url: str) -> ObjectInfo:
         """One HEAD per URL at a time, however many ask."""
-        task = self._heads.get(url)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(self._head_once(url), name=f"head {url}")
-            self._heads[url] = task
-            task.add_done_callback(lambda _t: self._heads.pop(url, None))
-        return await asyncio.shield(task)
+        return await joined(self._heads, url, lambda: self._head_once(url), f"head {url}")
 
     async def _head_once(self, url: str) -> ObjectInfo:
         """One HEAD; its answer is remembered (:meth:`remember`), its failure judged

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 
+from ..once import joined
 from ..sources.base import ObjectInfo
 from .hot import HotTier, Shard, ShardState
 from .sidecar import Sidecar
@@ -54,12 +55,7 @@ class Checks:
         if shard.verified:
             return True
         sid = shard.shard_id
-        task = self._checks.get(sid)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(self._verify(shard), name=f"check {sid}")
-            self._checks[sid] = task
-            task.add_done_callback(lambda _t: self._checks.pop(sid, None))
-        return await asyncio.shield(task)
+        return await joined(self._checks, sid, lambda: self._verify(shard), f"check {sid}")
 
     async def _verify(self, shard: Shard) -> bool:
         assert shard.index is not None

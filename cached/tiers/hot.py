@@ -724,11 +724,11 @@ class ShardWriter:
         shard, hot = self.shard, self.hot
         shard.checksum, shard.published = self._files.finish(), time.time()
         mode = SHARED_FILE_MODE if hot.shared else None
-        index = await asyncio.to_thread(
+        index, sidecar_bytes = await asyncio.to_thread(
             self._files.publish, shard.version, shard.info, shard.published, mode
         )
         shard.index = index
-        actual = index.size_bytes + hot._idx(shard.shard_id).stat().st_size
+        actual = index.size_bytes + sidecar_bytes
         self._settle()
         hot._used += actual - shard.reserved_bytes
         shard.reserved_bytes = actual

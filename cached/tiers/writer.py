@@ -81,10 +81,11 @@ class ShardFiles:
 
     def publish(
         self, version: str, info: ObjectInfo | None, published: float, mode: int | None
-    ) -> ShardIndex:
+    ) -> tuple[ShardIndex, int]:
         """After :meth:`finish`: make the data durable (fsync), write the sidecar ``idx``
         atomically, then give the data file ``mode`` (None: leave it) and rename it to
-        ``tar``, atomically. Returns the index with the members' checksums."""
+        ``tar``, atomically. Returns the index with the members' checksums, and the
+        sidecar's size in bytes."""
         assert self._index is not None
         sums = self._sums
         index = self._index.with_checksums(sums.member_sums, ALGORITHM)
@@ -97,7 +98,7 @@ class ShardFiles:
         if mode is not None:
             os.chmod(self.partial, mode)
         os.replace(self.partial, self.tar)
-        return index
+        return index, len(meta)
 
     def discard(self) -> None:
         """Close and remove the partial file (a sidecar already written is the caller's)."""
