@@ -211,7 +211,7 @@ def _read_compiled(read: LocalRead, checked: bool) -> Any:
 def _read_python(read: LocalRead, checked: bool) -> Any:
     """Every member's bytes, by the Python reader (FastLoader's receive, not planned)."""
     rows = unpacked(read.rows)
-    check_rows(rows, {}, checked=checked)
+    check_rows(rows, {})
     buffers = [bytearray(m[1]) for _k, ms in rows for m in ms]
     sizes = read._source().read_many(0, buffers)
     assert sizes == [len(b) for b in buffers]

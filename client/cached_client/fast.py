@@ -397,7 +397,7 @@ class _Filling:
             # refused alike.
             assert local is not None
             rows = local.samples()[samples.first : samples.first + samples.count]
-            check_rows(rows, self.used, checked=local.checked())
+            check_rows(rows, self.used)
         else:
             rows = samples
         places: list[tuple[str, int]] = []  # (ext, at) of each member, in order

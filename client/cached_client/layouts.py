@@ -7,6 +7,7 @@ readers apply (tests/test_reader_spec.py). Bytes only: no file is read here.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 from .errors import ProtocolError
@@ -34,13 +35,11 @@ def spans(rows: list[Any], checked: bool) -> Any:
             yield offset, size, checksum if checked else None
 
 
-def check_rows(rows: list[Any], used: dict[str, int], *, checked: bool) -> None:
+def check_rows(rows: Sequence[Any], used: dict[str, int]) -> None:
     """The Python reader's check of ``rows`` (:func:`unpacked`) before it lays them out
     after ``used`` (FastLoader's ``_Filling.receive``): what the compiled reader's layout
-    refuses, refused alike (ProtocolError): a size past :data:`BYTES_MAX`, and an
-    extension's members adding up past it in the batch."""
-    for _ in spans(rows, checked):
-        pass
+    refuses, refused alike and said alike (ProtocolError): an extension's members adding
+    up past :data:`BYTES_MAX` in the batch, one member's size past it included."""
     total = dict(used)
     for _key, members in rows:
         for m in members:
@@ -53,8 +52,8 @@ def check_rows(rows: list[Any], used: dict[str, int], *, checked: bool) -> None:
 
 
 class PackedRows:
-    """Samples ``first .. first + count`` of a packed layout (docs/protocol.md, "Packed
-    layouts"), the layout of every local reply; sliced as a list is."""
+    """Samples ``first .. first + count`` of a packed layout (docs/protocol.md, "Local
+    reads"), the layout of every local reply; sliced as a list is."""
 
     __slots__ = ("count", "exts", "first", "frame")
 
@@ -140,18 +139,18 @@ def unpacked(rows: PackedRows) -> list[list[Any]]:
     ]
 
 
-def described(rows: PackedRows) -> list[tuple[str, list[tuple[str, int]]]]:
-    """The samples a local reply describes, ``(key, [(ext, size), ...])`` each."""
-    return [(key, [(m[0], m[1]) for m in members]) for key, members in unpacked(rows)]
+def described(rows: Sequence[Any]) -> list[tuple[str, list[tuple[str, int]]]]:
+    """The samples ``rows`` describe (``[key, [[ext, size, ...], ...]]``: a socket reply's,
+    or a local one's :func:`unpacked`), as ``(key, [(ext, size), ...])`` each."""
+    return [(key, [(m[0], m[1]) for m in members]) for key, members in rows]
 
 
 def _sizes(reply: Any) -> list[tuple[str, list[tuple[str, int]]]] | None:
-    """A reply's JSON ``samples`` as ``(key, [(ext, size), ...])`` each (local replies'
-    members have more fields, socket replies' these two); None where they are not
+    """A socket reply's ``samples`` :func:`described`; None where they are not
     ``[key, [[ext, size, ...], ...]]``."""
     rows = reply.get("samples") if isinstance(reply, dict) else None
     try:
-        return [(key, [(m[0], m[1]) for m in members]) for key, members in rows or []]
+        return described(rows or [])
     except (TypeError, ValueError, IndexError):
         return None
 

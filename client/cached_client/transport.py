@@ -300,14 +300,17 @@ class Connection:
         request_id = next(self._ids)
         header = {**header, "id": request_id}
         op = header.get("op")
-        if local and self._local_on and op == Op.READ and "packed" not in self._features:
-            # A local reply's layout is one packed frame (D34); a daemon that cannot send
-            # one (older than this client) is read through the socket.
-            self._lost(LocalUnavailable("the daemon does not send packed layouts", lasting=True))
         if local and self._local_on and op == Op.READ:
-            header["local"] = True
-            header["packed"] = True  # the only form now; a daemon of 0.1 packs only if asked
-            self._local_sent[request_id] = header
+            if "packed" not in self._features:
+                # A local reply's layout is one packed frame (D34); a daemon that cannot
+                # send one (older than this client) is read through the socket.
+                self._lost(
+                    LocalUnavailable("the daemon does not send packed layouts", lasting=True)
+                )
+            else:
+                header["local"] = True
+                header["packed"] = True  # the only form now; a daemon of 0.1 packs if asked
+                self._local_sent[request_id] = header
         if self._releases and op in (Op.OPEN, Op.READ):
             released = self._releases.pop(str(header.get("stream")), None)
             if released:
@@ -510,7 +513,7 @@ class Connection:
             # Says that the local reply went unused, so the daemon counts its bytes once.
             request["refetch"] = True
             again, frames = self.wait(self.send(request, local=False))
-            check_refetch(url, described(local.rows), again)
+            check_refetch(url, described(local.samples()), again)
             return frames
 
         local = LocalRead(
