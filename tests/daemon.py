@@ -144,3 +144,16 @@ def dataset_shards(
             samples.append((key, {"bin": body, "cls": str(i % 10).encode()}))
         shards.append(make_tar(samples))
     return shards
+
+
+def held_files(hot_dir: Path) -> list[str]:
+    """The hot-tier files this process has open (a deleted one ends in " (deleted)")."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor)
+        if target.startswith(f"{hot_dir}/"):
+            out.append(target)
+    return out

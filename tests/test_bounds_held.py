@@ -26,7 +26,14 @@ from cached_client.protocol import PROTOCOL_VERSION
 from cached_client.transport import Connection
 
 from cached.server import Server
-from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, serve_config, thread_daemon
+from tests.daemon import (
+    ProcessDaemon,
+    daemon_config,
+    dataset_shards,
+    held_files,
+    serve_config,
+    thread_daemon,
+)
 from tests.s3server import S3Server
 from tests.test_daemon import upload
 from tests.test_fairness import ask, raw_dealer, until
@@ -355,19 +362,6 @@ def test_a_whole_read_if_resident_pins_a_shard_only_while_pins_hold_at_most_half
         finally:
             sock.close(0)
             ctx.term()
-
-
-def held_files(hot_dir: Path) -> list[str]:
-    """The hot-tier files this process has open."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # closed meanwhile (the listing's own descriptor)
-        if target.startswith(f"{hot_dir}/"):
-            out.append(target)
-    return out
 
 
 def test_a_connection_that_read_more_than_32_shard_files_holds_at_most_32_and_reads_right(

@@ -10,16 +10,7 @@ import pytest
 
 from cached.planner import MIN_RATE_INTERVAL_S, NOTIFY_INTERVAL_S, RATE_ALPHA, Planner, prepare
 from cached.policy import BeladyPolicy, EvictionPolicy, LRUPolicy, make_policy
-
-
-class Clock:
-    """Virtual seconds, moved by the test."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.test_planner import Clock
 
 
 def test_a_plan_starts_at_its_cursor_and_keeps_its_job() -> None:

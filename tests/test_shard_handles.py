@@ -25,7 +25,14 @@ from cached_client import CachedDataset, FastLoader, layouts, protocol
 from cached_client.errors import ProtocolError
 
 from cached.layouts import MAX_KEPT_LAYOUTS
-from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, serve_config, thread_daemon
+from tests.daemon import (
+    ProcessDaemon,
+    daemon_config,
+    dataset_shards,
+    held_files,
+    serve_config,
+    thread_daemon,
+)
 from tests.s3server import S3Server
 from tests.test_daemon import upload
 from tests.test_disk import small_disk
@@ -36,15 +43,7 @@ MiB = 1 << 20
 
 def deleted_held(hot_dir: Path) -> list[str]:
     """The hot-tier files this process holds open that are no longer in the directory."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # closed meanwhile
-        if target.startswith(str(hot_dir)) and target.endswith(" (deleted)"):
-            out.append(target)
-    return out
+    return [target for target in held_files(hot_dir) if target.endswith(" (deleted)")]
 
 
 def used_bytes(path: Path) -> int:
@@ -312,7 +311,7 @@ def test_a_read_through_the_socket_is_checked_against_the_local_reply_it_replace
             sock.close(linger=0)
     local = protocol.decode(local_frames[0])
     assert "local" in local and "packed" in local and "samples" not in local
-    described = layouts.described(_layout(local, local_frames[1]))
+    described = layouts.described(layouts.unpacked(_layout(local, local_frames[1])))
     assert [key for key, _ in described] == [f"s0001-{i:05d}" for i in range(2, 9)]
     assert all(members == [("bin", 3000)] for _, members in described)
     again = protocol.decode(socket_frames[0])
@@ -346,7 +345,7 @@ def test_the_daemon_keeps_a_few_whole_shard_layouts_whatever_clients_ask_for(
                 frames = sock.recv_multipart()
                 header = protocol.decode(frames[0])
                 assert header["ok"] and header["next"] == 5
-                got = layouts.described(_layout(header, frames[1]))
+                got = layouts.described(layouts.unpacked(_layout(header, frames[1])))
                 assert [m for _, m in got] == [[("bin", 100)]] * 5
         finally:
             sock.close(linger=0)
