@@ -308,12 +308,14 @@ def test_a_replaced_object_is_served_new_after_revalidate_s(
     old_tars, old = make_shards(3, seed=1)
     new_tars, new = make_shards(3, seed=2)  # same keys, other bytes
     urls = upload(s3_server, bucket, old_tars)
-    cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"s3.revalidate_s": 0.5})
+    # A window the upload and a read fit in on a loaded machine (a CI run once took
+    # more than 0.5 s for them, and the second read already saw the new version).
+    cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"s3.revalidate_s": 2.0})
     with thread_daemon(cfg) as d:
         assert read_all(d, urls) == old
         upload(s3_server, bucket, new_tars)
         assert read_all(d, urls) == old  # within revalidate_s: the version known
-        time.sleep(0.6)
+        time.sleep(2.1)
         assert read_all(d, urls) == new  # every sample new: no stale one, no mix
         assert read_all(d, urls) == new
         # The old versions left the hot tier: one shard per URL.
