@@ -14,7 +14,7 @@ PEERS_PINS  := bench/peers-constraints.txt
 
 .PHONY: demo test check lint types unit venv-peers bench bench-small bench-peers bench-peers-small soak gpu-check deploy-lint deploy-check compose-check system-deps test-rgw clean
 
-$(STAMP): pyproject.toml client/pyproject.toml client/setup.py client/csrc/_gather.c
+$(STAMP): pyproject.toml client/pyproject.toml client/setup.py client/csrc/_gather.c client/csrc/_tarscan.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
@@ -26,7 +26,7 @@ venv: $(STAMP)
 # mosaicml-streaming and litdata go in with --no-deps: both require torchvision, whose only
 # wheel for torch 2.13.0 is a CUDA build that fails to import on the CPU torch; their runtime
 # dependencies are the peers extra (pyproject.toml; bench/peers-constraints.txt says more).
-$(PEERS_STAMP): pyproject.toml client/pyproject.toml client/setup.py client/csrc/_gather.c $(PEERS_PINS)
+$(PEERS_STAMP): pyproject.toml client/pyproject.toml client/setup.py client/csrc/_gather.c client/csrc/_tarscan.c $(PEERS_PINS)
 	$(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_PY) -m pip install -q --upgrade pip
 	$(PEERS_PY) -m pip install -q -c $(PEERS_PINS) "$(TORCH)"

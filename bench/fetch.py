@@ -10,6 +10,9 @@ start here, else moto; bench/stores.py):
                     object (``open`` with ``prefetch``, ``--concurrency`` at once, its
                     ``[prefetch] concurrency`` set to the same); what it does for a cold
                     shard: GET, checksum, tar index, the file published atomically
+  cached-native     the same daemon with ``[s3] native_fetch = true``: a HEAD, then awscrt
+                    writes the GET straight into the hot tier's file, and one native pass
+                    over the file indexes and checksums it (D42)
   awscrt            awscrt's ``S3Client`` (the AWS Common Runtime, native threads), each
                     object straight to a file (``recv_filepath``)
   boto3             ``download_file`` (s3transfer's threads), as most scripts fetch a file
@@ -55,7 +58,8 @@ from bench import common, stores
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "bench-fetch"
 WARM = "warm.tar"
-CLIENTS = ("cached", "awscrt", "boto3", "obstore", "s3torchconnector")
+DAEMONS = ("cached", "cached-native")
+CLIENTS = (*DAEMONS, "awscrt", "boto3", "obstore", "s3torchconnector")
 # The peers' packages live in .venv-peers (make venv-peers); awscrt and boto3 come with
 # the daemon's own environment.
 PEERS = {"obstore": "obstore", "s3torchconnector": "s3torchconnector"}
@@ -74,7 +78,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=common.OUT_DIR, help="where the JSON goes")
     stores.add_argument(p)
     # Internal: one client's fetches, in a subprocess of its own.
-    p.add_argument("--worker", choices=CLIENTS[1:], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=CLIENTS[len(DAEMONS) :], help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
     p.add_argument("--dest", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--keys", nargs="*", default=[], help=argparse.SUPPRESS)
@@ -270,8 +274,11 @@ def upload(
     return keys, nbytes
 
 
-def run_daemon(endpoint: str, keys: list[str], conc: int, work: Path) -> dict[str, float]:
-    """A fresh daemon, an empty hot tier: every key prefetched, ``conc`` opens at once."""
+def run_daemon(
+    endpoint: str, keys: list[str], conc: int, work: Path, *, native: bool
+) -> dict[str, float]:
+    """A fresh daemon, an empty hot tier: every key prefetched, ``conc`` opens at once;
+    ``native``: with ``[s3] native_fetch``."""
     from cached_client.protocol import Op
     from cached_client.transport import Connection
 
@@ -286,7 +293,7 @@ def run_daemon(endpoint: str, keys: list[str], conc: int, work: Path) -> dict[st
         {
             "server": {"socket": socket, "http": "127.0.0.1:0"},
             "cache": {"dir": str(run / "hot"), "capacity": "8GiB", "min_free": 0},
-            "s3": {"endpoint_url": endpoint},
+            "s3": {"endpoint_url": endpoint, "native_fetch": native},
             "prefetch": {"concurrency": conc},
         },
     )
@@ -372,14 +379,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc: dict[str, Any] = {**head, "args": {k: str(v) for k, v in vars(args).items()}}
     pythons: dict[str, str] = {}
     for client in args.clients:
-        if client == "cached":
+        if client in DAEMONS:
             continue
         python = interpreter(client)
         if python is None:
             common.log(f"{client}: skipped (not importable here or in .venv-peers)")
         else:
             pythons[client] = python
-    clients = [c for c in args.clients if c == "cached" or c in pythons]
+    clients = [c for c in args.clients if c in DAEMONS or c in pythons]
     results: dict[tuple[int, int, str], list[dict[str, float]]] = {}
     with common.workdir("cached-bench-fetch-") as work, stores.s3_store(args.store, work) as store:
         common.log(store.describe())
@@ -390,8 +397,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for conc in args.concurrency:
                 for _ in range(args.repeats):
                     for client in clients:  # in turn: load drifts hit each alike
-                        if client == "cached":
-                            got = run_daemon(store.endpoint_url, keys[size], conc, work)
+                        if client in DAEMONS:
+                            native = client == "cached-native"
+                            got = run_daemon(
+                                store.endpoint_url, keys[size], conc, work, native=native
+                            )
                         else:
                             got = run_client(
                                 client,

@@ -167,6 +167,9 @@ class S3Config:
     retry_base_delay_s: float = 0.1
     retry_max_delay_s: float = 5.0
     verify_checksum: bool = True
+    # Fetch shards with awscrt's S3 client, bytes straight from the socket to the hot
+    # tier's file (cached/sources/native.py, D42); false: aiobotocore streams them.
+    native_fetch: bool = False
     # Seconds the store's answer about an object (size, ETag) is trusted before an open
     # asks again (one HEAD); 0: at every open. A replaced object is served within this.
     revalidate_s: float = 60.0

@@ -69,6 +69,9 @@ class SourceLike(Protocol):
     @property
     def revalidate_s(self) -> float: ...
 
+    @property
+    def fetches_natively(self) -> bool: ...
+
     async def head(self, url: str) -> ObjectInfo: ...
 
     async def open(self, url: str) -> Opened: ...
@@ -80,7 +83,8 @@ class SourceLike(Protocol):
         *,
         rewind: Rewind | None = None,
         opened: Opened | None = None,
-    ) -> None: ...
+        into: Path | None = None,
+    ) -> bool: ...
 
     def promote_enabled(self, info: ObjectInfo) -> bool: ...
 
@@ -242,13 +246,19 @@ class Fetcher:
         """The object's description: the answer known (:meth:`Lookups.fresh`); for a URL
         the hot tier holds a copy of, a HEAD (a revalidation, with no download to share
         a GET with) or, while the store is down, the copy's own; else the headers of the
-        GET that downloads it (:meth:`_open`). An open ahead sends nothing until
+        GET that downloads it (:meth:`_open`), but for a prefetch on the native path a
+        HEAD, whose native GET follows. An open ahead sends nothing until
         ``deadline``: it takes the answer of someone else's GET (the prefetcher's), and
         only then asks as a demand would."""
         known = self.lookups.fresh(url, revalidate=revalidate)
         if known is not None:
             return known
         if self.hot.latest(url) is not None or not self.lookups.health.reachable:
+            return await self.lookups.get(url, revalidate=revalidate)
+        if priority == PREFETCH and self.sources.fetches_natively:
+            # No reader waits on a prefetch: a HEAD (shared by all who ask meanwhile) and
+            # then a native GET cost no Python per byte, where an open's GET would stream
+            # its body through Python (D42). A reader's miss keeps the one-request open.
             return await self.lookups.get(url, revalidate=revalidate)
         if priority == AHEAD:
             info = await self._answered_soon(url, deadline, revalidate=revalidate)
@@ -546,7 +556,11 @@ class Fetcher:
         for attempt in range(1, DISK_FULL_ATTEMPTS + 1):
             writer = await self._reserve(sid, info, priority, opened)
             try:
-                await self.sources.fetch(info, writer.write, rewind=writer.rewind, opened=opened)
+                wrote = await self.sources.fetch(
+                    info, writer.write, rewind=writer.rewind, opened=opened, into=writer.path
+                )
+                if wrote:  # the source wrote the file itself (the native path)
+                    await writer.scan(info.size)
                 return await writer.publish()
             except OSError as exc:
                 writer.abort()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 from aiobotocore.session import AioSession
@@ -102,10 +103,11 @@ class Sources(OwnsStack):
         *,
         rewind: Rewind | None = None,
         opened: Opened | None = None,
-    ) -> None:
+        into: Path | None = None,
+    ) -> bool:
         """Stream ``info.url`` from its tier into ``sink`` (see :meth:`Source.fetch`)."""
         source = await self.source_for(info.url)
-        await source.fetch(info, sink, rewind=rewind, opened=opened)
+        return await source.fetch(info, sink, rewind=rewind, opened=opened, into=into)
 
 
 def _warmed_session() -> AioSession | None:

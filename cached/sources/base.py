@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -71,6 +72,11 @@ class Opened:
         self.info = info
         self._response = response
 
+    @property
+    def unread(self) -> bool:
+        """Whether it still holds a body nobody took."""
+        return self._response is not None
+
     def take(self) -> Any:
         """The response, once (the taker streams and closes it); None after that, or if
         the source holds none (a file) or it was closed."""
@@ -117,8 +123,14 @@ class Source(Protocol):
         *,
         rewind: Rewind | None = None,
         opened: Opened | None = None,
-    ) -> None:
+        into: Path | None = None,
+    ) -> bool:
         """Stream the object's bytes, in order, into ``sink``; verify size and checksum.
+
+        ``into``: the file the bytes are bound for. A source that can write them there
+        itself, with no Python per byte (the native S3 path), does so, leaves ``sink``
+        unused and returns True; the file then holds exactly the verified object, not
+        synced. Otherwise the bytes go to ``sink`` and the result is False.
 
         ``opened``: the :meth:`open` that described ``info``; its body is streamed
         rather than asking again (the caller still closes it, if it is not taken).

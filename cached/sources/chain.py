@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from ..config import ColdConfig, S3Config
 from ..errors import FetchError, ObjectArchived, ObjectNotFound
-from . import Sources
+from . import Sources, native
 from .base import ObjectInfo, Opened, OwnsStack, Rewind, Sink, Source
 from .retry import OnRetry
 from .s3 import S3Source
@@ -83,6 +83,13 @@ class TierChain(OwnsStack):
     def revalidate_s(self) -> float:
         """How long the tiers' answer about an object is trusted (``[s3] revalidate_s``)."""
         return self._s3_cfg.revalidate_s
+
+    @property
+    def fetches_natively(self) -> bool:
+        """Whether S3 GETs into the hot tier take the native path (``[s3] native_fetch``
+        and awscrt importable): then a GET that does not stop at its headers costs no
+        Python per byte, and a prefetch is better looked up first (a HEAD)."""
+        return self._s3_cfg.native_fetch and native.available()
 
     async def __aenter__(self) -> TierChain:
         async with AsyncExitStack() as stack:
@@ -161,7 +168,8 @@ class TierChain(OwnsStack):
         *,
         rewind: Rewind | None = None,
         opened: Opened | None = None,
-    ) -> None:
+        into: Path | None = None,
+    ) -> bool:
         """Stream the object from the tier :meth:`head` (or :meth:`open`) found it in
         into ``sink``.
 
@@ -169,8 +177,7 @@ class TierChain(OwnsStack):
         guarantees and errors (which name the URL actually read).
         """
         if info.source_url is None:
-            await self._warm.fetch(info, sink, rewind=rewind, opened=opened)
-            return
+            return await self._warm.fetch(info, sink, rewind=rewind, opened=opened, into=into)
         source_url = info.source_url
         source = (
             await self._cold_source(source_url)
@@ -178,8 +185,8 @@ class TierChain(OwnsStack):
             else await self._warm.source_for(source_url)
         )
         # The sources read info.url; hand them the info as the tier itself knows it.
-        await source.fetch(
-            dataclasses.replace(info, url=source_url), sink, rewind=rewind, opened=opened
+        return await source.fetch(
+            dataclasses.replace(info, url=source_url), sink, rewind=rewind, opened=opened, into=into
         )
 
     def promote_enabled(self, info: ObjectInfo) -> bool:

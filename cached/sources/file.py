@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from pathlib import Path
 from typing import BinaryIO
 
 from cached_client.urls import parse
@@ -84,14 +85,16 @@ class FileSource(OwnsStack):
         *,
         rewind: Rewind | None = None,
         opened: Opened | None = None,
-    ) -> None:
+        into: Path | None = None,
+    ) -> bool:
         """Stream the file into ``sink`` in chunks, in order.
 
         Raises :class:`ObjectNotFound` if the file is gone, :class:`VerifyError` if its
         size differs from ``info.size`` (before or while reading), :class:`ObjectChanged`
         if it was rewritten (same size, new mtime) since :meth:`head`. At most
         ``info.size`` bytes ever reach the sink. ``rewind`` is unused: a file has no
-        checksum to fail; so is ``opened``, which holds no open file.
+        checksum to fail; so is ``opened``, which holds no open file, and ``into``: the
+        bytes always go to the sink (False).
         """
         path = _path(info.url)
         try:
@@ -107,6 +110,7 @@ class FileSource(OwnsStack):
             raise _os_error(info.url, exc) from exc
         finally:
             fh.close()
+        return False
 
     async def _stream(self, fh: BinaryIO, info: ObjectInfo, sink: Sink) -> None:
         before = await asyncio.to_thread(os.fstat, fh.fileno())

@@ -16,6 +16,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import mmap
 import os
 import re
 from collections import deque
@@ -32,7 +33,7 @@ from cached_client.urls import ShardURL, parse
 
 from ..config import S3Config
 from ..errors import CachedError, FetchError, ObjectArchived, ObjectNotFound, VerifyError
-from . import checksums
+from . import checksums, native
 from .base import ObjectChanged, ObjectInfo, Opened, OwnsStack, Rewind, Sink
 from .retry import CORRUPT, OnRetry, RetryPolicy, retrying
 
@@ -133,11 +134,15 @@ class _Verifier:
         if self._md5 is not None:
             got = self._md5.hexdigest()
             if got != self._expected_md5:
-                raise _Corrupted(
-                    f"{url}: MD5 mismatch: expected {self._expected_md5} (the ETag), got "
-                    f"{got}; the bytes were corrupted in transit; fetch it again (if this "
-                    "store's ETags are not MD5s, set [s3] verify_checksum = false)"
-                )
+                raise _md5_mismatch(url, str(self._expected_md5), got)
+
+
+def _md5_mismatch(url: str, expected: str, got: str) -> _Corrupted:
+    return _Corrupted(
+        f"{url}: MD5 mismatch: expected {expected} (the ETag), got {got}; the bytes were "
+        "corrupted in transit; fetch it again (if this store's ETags are not MD5s, set "
+        "[s3] verify_checksum = false)"
+    )
 
 
 def _etag_is_md5(response: dict[str, Any], aws: bool) -> bool:
@@ -377,6 +382,7 @@ class S3Source(OwnsStack):
         self._session = session
         self._stack: AsyncExitStack | None = None
         self._client: Any = None
+        self._native: native.NativeClient | None = None
         self._endpoint = ""
         self._aws = cfg.endpoint_url is None
         # Reads from a streamed GET are gathered up to this size before the sink sees them:
@@ -410,10 +416,41 @@ class S3Source(OwnsStack):
             self._endpoint = str(self._client.meta.endpoint_url)
             if self._cfg.verify_checksum:
                 self._client.meta.events.register("before-call.s3.GetObject", _ask_for_checksum)
+            self._native = self._native_client()
             self._stack = stack.pop_all()
         return self
 
+    def _native_client(self) -> native.NativeClient | None:
+        """awscrt's client for this endpoint, if ``[s3] native_fetch`` asks for it and it
+        can serve the endpoint (else None, and GETs stream through aiobotocore)."""
+        if not self._cfg.native_fetch:
+            return None
+        why = native.unsupported(self._cfg, self._endpoint)
+        if why is not None:
+            log.info("fetching through botocore, not the native path: %s", why)
+            return None
+        return native.NativeClient(self._cfg, self._endpoint, self._frozen_credentials)
+
+    async def _frozen_credentials(self) -> tuple[str, str, str | None] | None:
+        """The credentials botocore signs with now (refreshed by it when they expire), for
+        the native client to sign with too; None: none were found."""
+        # Private in botocore: the one credential object the client signs with, so both
+        # paths sign as the same principal whatever the chain found.
+        credentials = getattr(self._client._request_signer, "_credentials", None)
+        if credentials is None:
+            return None
+        frozen = await credentials.get_frozen_credentials()
+        return frozen.access_key, frozen.secret_key, frozen.token
+
+    @property
+    def native(self) -> bool:
+        """Whether GETs into a file take the native path (awscrt), not aiobotocore."""
+        return self._native is not None
+
     def _closed(self) -> None:
+        if self._native is not None:
+            self._native.close()
+        self._native = None
         self._client = None
 
     @property
@@ -508,7 +545,8 @@ class S3Source(OwnsStack):
         *,
         rewind: Rewind | None = None,
         opened: Opened | None = None,
-    ) -> None:
+        into: Path | None = None,
+    ) -> bool:
         """Stream the object into ``sink`` in order, then verify size and (plain) MD5.
 
         Objects above ``part_size_bytes`` download as ranged GETs with at most
@@ -530,24 +568,84 @@ class S3Source(OwnsStack):
         without it, or when every attempt is damaged, :class:`VerifyError`.
         """
         self._require_client()
-        attempts = self._policy.attempts if rewind is not None else 1
-        for attempt in range(1, attempts + 1):
+        if into is not None and self._native is not None and not (opened and opened.unread):
+            # A body already answering (a demand miss's open, D27) is read where it is:
+            # asking again would cost a request and its first bytes' latency.
+            await self._fetch_native(info, into)
+            return True
+
+        async def stream() -> None:
             verifier = _Verifier(info, self._cfg.verify_checksum)
+            if info.size > self._cfg.part_size_bytes:
+                await self._fetch_parts(info, sink, verifier, opened)
+            else:
+                await self._fetch_stream(info, sink, verifier, opened)
+            verifier.finish()
+
+        attempts = self._policy.attempts if rewind is not None else 1
+        await self._until_intact(stream, attempts, rewind)
+        return False
+
+    async def _until_intact(
+        self, fetch: Callable[[], Awaitable[None]], attempts: int, again: Rewind | None
+    ) -> None:
+        """Run ``fetch`` (one whole fetch) until its bytes pass their checksum, ``attempts``
+        times at most, each retry reported as ``corrupt`` and preceded by ``again()``."""
+        for attempt in range(1, attempts + 1):
             try:
-                if info.size > self._cfg.part_size_bytes:
-                    await self._fetch_parts(info, sink, verifier, opened)
-                else:
-                    await self._fetch_stream(info, sink, verifier, opened)
-                verifier.finish()
+                await fetch()
                 return
             except _Corrupted as exc:
-                if rewind is None or attempt == attempts:
+                if attempt == attempts:
                     raise
                 log.warning("%s; fetching it again (attempt %d of %d)", exc, attempt + 1, attempts)
             if self._on_retry is not None:
                 self._on_retry(CORRUPT)
             await asyncio.sleep(self._policy.backoff_s(attempt))
-            await rewind()
+            if again is not None:
+                await again()
+
+    async def _fetch_native(self, info: ObjectInfo, path: Path) -> None:
+        """GET the object into ``path`` through the native client, and verify it: the
+        store's checksum by the CRT, else the MD5 of a plain ETag over the file, and the
+        size. Each GET is retried whole (a failed one leaves holes, not a prefix)."""
+        client = self._native
+        assert client is not None
+        if info.size == 0:
+            # The CRT would spend two GETs (a 416 to its ranged first part, then the
+            # whole); there is nothing to fetch, and an empty file is no tar either.
+            await asyncio.to_thread(path.write_bytes, b"")
+            return
+        loc = _s3_location(info.url)
+        verify = self._cfg.verify_checksum
+        checksum = info.checksum if verify else None
+        etag = (info.etag or "").lower()
+
+        async def get() -> native.Got:
+            return await client.get(
+                loc.bucket, loc.key, path, size=info.size, etag=info.etag, checksum=checksum
+            )
+
+        async def fetch() -> None:
+            try:
+                got = await self._call(f"GET {info.url}", info.url, get)
+            except native.Corrupted as exc:
+                raise _Corrupted(
+                    f"{info.url}: {exc}; the bytes were corrupted in transit; fetch it again"
+                ) from exc
+            sse = {
+                "SSECustomerAlgorithm": got.headers.get(
+                    "x-amz-server-side-encryption-customer-algorithm"
+                ),
+                "ServerSideEncryption": got.headers.get("x-amz-server-side-encryption"),
+            }
+            md5 = checksum is None and verify and _PLAIN_MD5.match(etag)
+            if md5 and _etag_is_md5(sse, self._aws):
+                found = await asyncio.to_thread(_md5_of_file, path)
+                if found != etag:
+                    raise _md5_mismatch(info.url, etag, found)
+
+        await self._until_intact(fetch, self._policy.attempts, None)
 
     def upload_part_size(self, size: int) -> int:
         """The part size :meth:`put` uses for a ``size``-byte multipart upload.
@@ -844,6 +942,15 @@ class S3Source(OwnsStack):
             for task in window:
                 task.cancel()
             await asyncio.gather(*window, return_exceptions=True)
+
+
+def _md5_of_file(path: Path) -> str:
+    """The MD5 of a file, hex (blocking: one hashlib call over a mapping, without the GIL)."""
+    with open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size == 0:
+            return hashlib.md5(b"", usedforsecurity=False).hexdigest()
+        with mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+            return hashlib.md5(mapped, usedforsecurity=False).hexdigest()
 
 
 def _s3_location(url: str) -> ShardURL:

@@ -697,7 +697,23 @@ class ShardWriter:
         Bytes that are not a tar archive are dropped, and :meth:`publish` raises
         NotATarError."""
         await asyncio.to_thread(self._files.write, run)
-        n = sum(map(len, run))
+        self._account(sum(map(len, run)))
+
+    @property
+    def path(self) -> Path:
+        """The partial file: a source that writes the bytes itself (the native fetch
+        path) writes them here, then calls :meth:`scan`."""
+        return self._files.partial
+
+    async def scan(self, size: int) -> None:
+        """The source wrote ``size`` bytes into :attr:`path` itself: index and checksum
+        them in one pass over the file, off the event loop. Raises what :meth:`publish`
+        raises for a streamed shard (NotATarError for bytes that are not a tar)."""
+        self._account(size)
+        await asyncio.to_thread(self._files.scan)
+
+    def _account(self, n: int) -> None:
+        """``n`` more bytes are on the disk: off the tier's unwritten bytes."""
         self.bytes_written += n
         if self._landed is not None:
             n = min(n, self.shard.reserved_bytes - self._landed)

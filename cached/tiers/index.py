@@ -242,13 +242,10 @@ class TarIndexer:
         self._name: str | None = None  # pending long name (GNU "L" or pax path)
         self._size: int | None = None  # pending pax size
         self._pending = False  # an extension header awaits the header it describes
-        self._samples: list[Sample] = []
-        self._key: str | None = None
-        self._members: list[Member] = []
-        self._exts: list[str] = []
+        self._samples = Grouper()
         # Every member so far, in archive order: the writer checksums their data as it
         # streams past (a member is listed before its first data byte is fed).
-        self.found: list[Member] = []
+        self.found: list[Member] = self._samples.found
 
     def feed(self, chunk: bytes | memoryview) -> None:
         """Consume the next bytes of the archive; NotATarError once they cannot be a tar."""
@@ -290,8 +287,7 @@ class TarIndexer:
                 if self._ended:
                     break
         except _Corrupt as exc:
-            what = "is not a tar archive" if self._headers == 0 else "is a corrupt tar archive"
-            self._error = NotATarError(f"{self._url} {what}: {exc} (header at byte {self._at})")
+            self._error = corrupt_error(self._url, self._headers, str(exc), self._at)
             raise self._error from None
         self._skip = skip
         self._pos = base + n
@@ -312,11 +308,9 @@ class TarIndexer:
         elif self._skip:
             where = "ends inside a member's data"
         if where:
-            what = "is not a tar archive" if self._headers == 0 else "is truncated"
-            self._error = NotATarError(f"{self._url} {what}: it {where} (at byte {self._pos})")
+            self._error = cut_short_error(self._url, self._headers, where, self._pos)
             raise self._error
-        self._flush()
-        return ShardIndex(tuple(self._samples), self._pos)
+        return ShardIndex(self._samples.finish(), self._pos)
 
     def _header(self, block: bytes, data_off: int) -> int:
         """Handle one header block (its data starts at `data_off`); return bytes to skip."""
@@ -361,7 +355,7 @@ class TarIndexer:
                 name = short
                 if block[345]:  # ustar prefix, applied whatever the magic says (tarfile)
                     name = f"{_nts(block[345:500])}/{short}"
-            self._member(name, data_off, size)
+            self._samples.add(name, data_off, size)
         elif kind in _SUPPORTED:
             return 0
         return -(-size // _BLOCK) * _BLOCK
@@ -375,7 +369,10 @@ class TarIndexer:
         pos = 0
         name = size = None
         while (m := _PAX_RECORD.match(payload, pos)) is not None:
-            length = int(m.group(1))
+            try:
+                length = int(m.group(1))
+            except ValueError:  # past Python's limit on digits (4,300): no real record
+                raise _Corrupt("invalid pax record") from None
             if length == 0:
                 raise _Corrupt("invalid pax record")
             keyword = m.group(2).decode("utf-8", "surrogateescape")
@@ -389,7 +386,9 @@ class TarIndexer:
                     size = int(value.decode("utf-8", "surrogateescape"))
                 except ValueError:
                     size = 0  # what tarfile does with a bad pax number
-            pos += length
+            # A length past the payload ends the records (the next match finds nothing,
+            # as in tarfile), without carrying an offset too large to index with.
+            pos = min(pos + length, len(payload))
         if name is not None and self._name is None:
             self._name = name
         if size is not None and self._size is None:
@@ -397,26 +396,63 @@ class TarIndexer:
                 raise _Corrupt("negative member size")
             self._size = size
 
-    def _member(self, name: str, offset: int, size: int) -> None:
+
+def corrupt_error(url: str, headers: int, reason: str, at: int) -> NotATarError:
+    """The error for a header that fails validation (``reason``) at byte ``at``, after
+    ``headers`` valid headers: with none, the bytes are not a tar archive at all."""
+    what = "is not a tar archive" if headers == 0 else "is a corrupt tar archive"
+    return NotATarError(f"{url} {what}: {reason} (header at byte {at})")
+
+
+def cut_short_error(url: str, headers: int, where: str, pos: int) -> NotATarError:
+    """The error for an archive whose ``pos`` bytes end ``where`` ("ends inside a
+    header", ...) after ``headers`` valid headers."""
+    what = "is not a tar archive" if headers == 0 else "is truncated"
+    return NotATarError(f"{url} {what}: it {where} (at byte {pos})")
+
+
+class Grouper:
+    """webdataset's naming and grouping of a tar's regular files, in archive order.
+
+    One piece of code for every way an index is built: :class:`TarIndexer` while the
+    bytes stream in, and the one-pass scan of a downloaded file (:mod:`.scan`).
+    """
+
+    def __init__(self) -> None:
+        self._samples: list[Sample] = []
+        self._key: str | None = None
+        self._members: list[Member] = []
+        self._exts: list[str] = []
+        self.found: list[Member] = []  # every member added, in archive order
+
+    def add(self, name: str, offset: int, size: int, checksum: int | None = None) -> Member | None:
+        """Account the regular file ``name`` whose data lies at ``offset``: its member, or
+        None where webdataset's naming skips it (meta files, no extension)."""
         # tar_file_iterator's two meta-file rules (both need a leading "__"), then
         # base_plus_ext and group_by_keys.
         if name.startswith("__") and (
             ("/" not in name and name.endswith("__")) or _SKIP_META.match(name)
         ):
-            return
+            return None
         m = _BASE_EXT.match(name)
         if m is None:
-            return
+            return None
         key, ext = m.group(1), m.group(2).lower()
         # A repeated extension under the same key also starts a new sample (cached's
         # rule; webdataset 1.0.2 raises ValueError there instead).
         if key != self._key or ext in self._exts:
             self._flush()
             self._key = key
-        member = Member(ext, offset, size)
+        member = Member(ext, offset, size, checksum)
         self._members.append(member)
         self.found.append(member)
         self._exts.append(ext)
+        return member
+
+    def finish(self) -> tuple[Sample, ...]:
+        """Every sample so far, the last one included (calling it again is harmless)."""
+        self._flush()
+        return tuple(self._samples)
 
     def _flush(self) -> None:
         if self._members:

@@ -1,6 +1,8 @@
 """Writing one shard's files in the hot tier: its bytes go into ``<id>.tar.partial`` as they
-arrive, through the tar indexer and the checksums in the same pass; publication writes the
-sidecar ``<id>.idx`` atomically, then renames the data file to ``<id>.tar``.
+arrive, through the tar indexer and the checksums in the same pass (or the source writes
+that file itself, and one pass over it afterwards indexes and sums it: :meth:`ShardFiles.scan`);
+publication writes the sidecar ``<id>.idx`` atomically, then renames the data file to
+``<id>.tar``.
 
 Files only. What the bytes take of the tier's bound, and the shard's state, belong to the
 hot tier (:mod:`.hot`), which names the files and drives a writer from worker threads.
@@ -16,6 +18,7 @@ from pathlib import Path
 from ..errors import CacheError, NotATarError
 from ..sources.base import ObjectInfo
 from .index import ShardIndex, TarIndexer
+from .scan import index_file
 from .sidecar import Sidecar
 from .verify import ALGORITHM, StreamSums
 
@@ -37,7 +40,9 @@ class ShardFiles:
         self._indexer = TarIndexer(url)
         self._sums = StreamSums()
         self._not_a_tar: NotATarError | None = None
-        self._index: ShardIndex | None = None  # set by finish()
+        # The index with the members' checksums, and the whole file's: set by finish()
+        # (or by scan(), for a file the source wrote).
+        self._done: tuple[ShardIndex, int] | None = None
 
     def write(self, run: Sequence[bytes]) -> None:
         """Append a run of chunks, indexing and hashing them in the same pass. Bytes that
@@ -66,17 +71,25 @@ class ShardFiles:
         self._sums = StreamSums()
         self._not_a_tar = None
 
+    def scan(self) -> None:
+        """The source wrote the whole partial file itself (the native fetch path): index
+        it and checksum it, in one pass over the file while its pages are still cached.
+        Raises as :meth:`finish` does."""
+        self._done = index_file(self.partial, self.url)
+
     def finish(self) -> int:
         """The bytes have all come: finish the tar index. Returns the checksum of the whole
         file. Raises NotATarError for bytes that were not a tar archive, and CacheError
         for an archive cut short."""
+        if self._done is not None:  # scanned
+            return self._done[1]
         if self._not_a_tar is not None:
             raise self._not_a_tar
         index = self._indexer.finish()
         sums = self._sums
         if len(sums.member_sums) != len(self._indexer.found) or sums.size != index.size_bytes:
             raise CacheError(f"{self.url}: checksums do not cover the shard (a bug)")
-        self._index = index
+        self._done = index.with_checksums(sums.member_sums, ALGORITHM), sums.whole
         return sums.whole
 
     def publish(
@@ -86,10 +99,9 @@ class ShardFiles:
         atomically, then give the data file ``mode`` (None: leave it) and rename it to
         ``tar``, atomically. Returns the index with the members' checksums, and the
         sidecar's size in bytes."""
-        assert self._index is not None
-        sums = self._sums
-        index = self._index.with_checksums(sums.member_sums, ALGORITHM)
-        car = Sidecar(self.url, version, index, info, sums.whole, published)
+        assert self._done is not None
+        index, whole = self._done
+        car = Sidecar(self.url, version, index, info, whole, published)
         meta = car.to_bytes()
         self._file.flush()
         os.fsync(self._file.fileno())

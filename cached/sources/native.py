@@ -1,0 +1,325 @@
+"""The native fetch path: awscrt's S3 client writes an object's bytes straight to a file.
+
+No Python runs per byte or per chunk: the CRT's threads read the socket and write the
+file, and Python sees one headers callback, a progress callback at most once a second,
+and the end (docs/decisions.md, D42). The caller (:class:`~cached.sources.s3.S3Source`)
+keeps the control plane (HEAD, LIST, credentials) on aiobotocore and its guarantees
+around each GET here:
+
+- **retries** are :mod:`.retry`'s, around each whole GET, so that every one is counted
+  by reason: the CRT's own are off (``S3RetryMode.NONE``). A failed GET leaves a file
+  with holes (parts are written at their offsets as they arrive), so nothing resumes
+  from it: the retry fetches the object again whole.
+- **checksums**: a full-object CRC32, CRC32C or CRC64NVME the store keeps is checked by
+  the CRT as the bytes arrive (``expected_checksum``); a plain-MD5 ETag is checked by
+  the caller over the finished file; the size by both.
+- **time**: the CRT has only a connect timeout, so each GET gets a deadline here.
+- **cancellation**: cancelling the awaiting task cancels the CRT's request and waits for
+  its end, so that no CRT thread writes the file after the caller has moved on.
+
+Errors come out as the aiobotocore path's do: an S3 error answer as a botocore
+``ClientError`` (so :func:`.retry.transient_reason` and the S3 source's translation
+apply unchanged), a dropped connection as ``ConnectionError``, a deadline as
+``TimeoutError``, a full disk as ``OSError(ENOSPC)``.
+
+One client per endpoint: the CRT pools connections by host name without the port, so
+one client sending to two ports of one host would mix their pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import errno
+import os
+import re
+import threading
+import urllib.parse
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from botocore import exceptions as boto_exc
+
+from ..config import S3Config
+from ..errors import VerifyError
+
+try:
+    from awscrt import auth, http
+    from awscrt import io as crtio
+    from awscrt import s3 as crts3
+    from awscrt.exceptions import AwsCrtError
+except ImportError:  # pragma: no cover - awscrt is a dependency; the aiobotocore path stays
+    crts3 = None
+
+# The slowest transfer a GET is allowed before its deadline: [s3] read_timeout_s, plus the
+# object's size at this rate. The CRT reports progress per part, not per socket read, so
+# a stall cannot be told from a slow part any sooner than this.
+SLOWEST_BYTES_PER_S = 1 << 20
+# How long a cancelled GET is waited for, at most, before its file is left to the CRT
+# (which then writes into an unlinked inode: harmless, freed when it closes the file).
+_CANCEL_WAIT_S = 10.0
+# The smallest memory bound the CRT accepts for its part buffers.
+_MIN_MEMORY_LIMIT = 256 << 20
+_XML_FIELD = re.compile(rb"<(Code|Message)>([^<]*)</\1>")
+# CRT errors that say the connection failed (dropped, reset, refused, TLS, DNS): worth a
+# new connection, like botocore's connection errors.
+_CONNECTION_ERRORS = ("AWS_IO_SOCKET_", "AWS_ERROR_HTTP_", "AWS_IO_DNS_", "AWS_IO_TLS_")
+_NO_CONNECTION = frozenset(
+    {
+        "AWS_IO_SOCKET_CONNECTION_REFUSED",
+        "AWS_IO_SOCKET_TIMEOUT",
+        "AWS_IO_DNS_INVALID_NAME",
+        "AWS_IO_DNS_QUERY_FAILED",
+        "AWS_IO_SOCKET_NO_ROUTE_TO_HOST",
+        "AWS_IO_SOCKET_NETWORK_DOWN",
+    }
+)
+# Errors whose response had a status: named by the CRT when the body told it nothing more.
+_STATUS_OF = {
+    "AWS_ERROR_S3_SLOW_DOWN": (503, "SlowDown"),
+    "AWS_ERROR_S3_INTERNAL_ERROR": (500, "InternalError"),
+}
+
+Credentials = Callable[[], Awaitable[tuple[str, str, str | None] | None]]
+
+
+def available() -> bool:
+    """Whether awscrt's S3 client can be imported here."""
+    return crts3 is not None
+
+
+def unsupported(cfg: S3Config, endpoint_url: str) -> str | None:
+    """Why the native path cannot serve ``endpoint_url`` with ``cfg``, or None if it can.
+
+    It cannot where awscrt is missing, where the endpoint has a path (the CRT addresses
+    the host only), and where a proxy is configured other than by the environment
+    (``HTTP(S)_PROXY``/``NO_PROXY``, which the CRT reads itself): there the aiobotocore
+    path fetches, as it always did.
+    """
+    if not available():
+        return "awscrt's S3 client cannot be imported"
+    parts = urllib.parse.urlsplit(endpoint_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"the endpoint {endpoint_url} is not an http(s) URL"
+    if parts.path not in ("", "/"):
+        return f"the endpoint {endpoint_url} has a path"
+    return None
+
+
+@dataclass(frozen=True)
+class Got:
+    """What a finished GET answered: its status and headers (lower-case names)."""
+
+    status: int
+    headers: Mapping[str, str]
+
+
+class NativeClient:
+    """awscrt's ``S3Client`` for one endpoint, writing GETs straight to files.
+
+    ``credentials`` is awaited on the event loop before each GET and returns the
+    current ``(access key, secret key, token)``, or None for unsigned requests: the
+    daemon's botocore credential chain, so both paths sign as the same principal. Use
+    :meth:`close` when done.
+    """
+
+    def __init__(self, cfg: S3Config, endpoint_url: str, credentials: Credentials) -> None:
+        why = unsupported(cfg, endpoint_url)
+        if why is not None:
+            raise ValueError(f"the native fetch path cannot serve this endpoint: {why}")
+        parts = urllib.parse.urlsplit(endpoint_url)
+        self._cfg = cfg
+        self._host = parts.netloc
+        self._virtual = cfg.addressing_style == "virtual"
+        self._credentials = credentials
+        self._current: tuple[str, str, str | None] | None = None
+        self._lock = threading.Lock()
+        elg = crtio.EventLoopGroup(num_threads=min(os.cpu_count() or 1, 4))
+        bootstrap = crtio.ClientBootstrap(elg, crtio.DefaultHostResolver(elg))
+        secure = parts.scheme == "https"
+        modes = crts3.S3RequestTlsMode
+        provider = auth.AwsCredentialsProvider.new_delegate(self._signing_credentials)
+        self._client = crts3.S3Client(
+            bootstrap=bootstrap,
+            region=cfg.region,
+            tls_mode=modes.ENABLED if secure else modes.DISABLED,
+            tls_connection_options=_tls_options() if secure else None,
+            signing_config=crts3.create_default_s3_signing_config(
+                region=cfg.region, credential_provider=provider
+            ),
+            part_size=cfg.part_size_bytes,
+            max_active_connections_override=cfg.max_pool_connections,
+            memory_limit=max(_MIN_MEMORY_LIMIT, cfg.part_size_bytes * cfg.part_concurrency * 2),
+            retry_config=crts3.S3RetryConfig(retry_mode=crts3.S3RetryMode.NONE),
+            connect_timeout_ms=max(1, round(cfg.connect_timeout_s * 1000)),
+        )
+
+    def close(self) -> None:
+        """Drop the client; the CRT shuts its threads down once its requests end."""
+        self._client = None
+
+    def _signing_credentials(self) -> Any:
+        """The CRT's delegate: called on a CRT thread, it returns what the event loop
+        fetched last (:meth:`get` refreshes it before each request)."""
+        with self._lock:
+            current = self._current
+        if current is None:
+            raise RuntimeError("no AWS credentials for the native fetch path")
+        return auth.AwsCredentials(*current)
+
+    def _target(self, bucket: str, key: str) -> tuple[str, str]:
+        """The Host header and path of ``bucket``/``key`` (path-style unless asked)."""
+        quoted = urllib.parse.quote(key, safe="/~")
+        if self._virtual:
+            return f"{bucket}.{self._host}", f"/{quoted}"
+        return self._host, f"/{bucket}/{quoted}"
+
+    async def get(
+        self,
+        bucket: str,
+        key: str,
+        path: Path,
+        *,
+        size: int,
+        etag: str | None,
+        checksum: str | None,
+    ) -> Got:
+        """GET ``bucket``/``key`` into ``path`` (created or replaced), whole.
+
+        ``etag`` goes out as ``If-Match`` (on every part); ``checksum``
+        (``"algorithm:base64"``) is checked by the CRT as the bytes arrive. Raises as the
+        module docstring says; returns once every byte is in the file (not yet synced),
+        having checked that ``size`` bytes arrived.
+        """
+        client = self._client
+        if client is None:
+            raise RuntimeError("the native S3 client is closed")
+        current = await self._credentials()
+        if current is None:
+            raise boto_exc.NoCredentialsError()
+        with self._lock:
+            self._current = current
+        host, target = self._target(bucket, key)
+        headers = [("Host", host)]
+        if etag:
+            headers.append(("If-Match", f'"{etag}"'))
+        got: dict[str, Any] = {}
+        received = [0]
+
+        def on_headers(status_code: int, headers: list[tuple[str, str]], **_: Any) -> None:
+            got["status"] = status_code
+            got["headers"] = {k.lower(): v for k, v in headers}
+
+        def on_progress(progress: int) -> None:
+            received[0] += progress
+
+        request = client.make_request(
+            type=crts3.S3RequestType.GET_OBJECT,
+            request=http.HttpRequest("GET", target, http.HttpHeaders(headers)),
+            recv_filepath=str(path),
+            checksum_config=_checksum_config(checksum),
+            on_headers=on_headers,
+            on_progress=on_progress,
+        )
+        finished = asyncio.wrap_future(request.finished_future)
+        deadline = self._cfg.read_timeout_s + size / SLOWEST_BYTES_PER_S
+        try:
+            async with asyncio.timeout(deadline):
+                await asyncio.shield(finished)
+        except TimeoutError:
+            await _cancelled(request, finished)
+            raise TimeoutError(
+                f"GET took more than {deadline:.1f}s ([s3] read_timeout_s, plus the "
+                f"size at {SLOWEST_BYTES_PER_S >> 20} MiB/s)"
+            ) from None
+        except asyncio.CancelledError:
+            await _cancelled(request, finished)
+            raise
+        except Exception as exc:
+            raise _translated(exc) from exc
+        if received[0] != size:
+            # A part shorter than asked (a store that answered a range with fewer bytes
+            # and an honest length) leaves a hole the CRT does not notice.
+            raise VerifyError(
+                f"size mismatch: expected {size} bytes, {received[0]} arrived; the object "
+                "is not the expected size; look it up again"
+            )
+        return Got(int(got.get("status", 0)), got.get("headers", {}))
+
+
+async def _cancelled(request: Any, finished: asyncio.Future[Any]) -> None:
+    """Cancel the CRT's request and wait (bounded, even if cancelled again) for its end:
+    the CRT has then closed the file."""
+    request.cancel()
+    with suppress(BaseException):
+        await asyncio.wait_for(asyncio.shield(finished), _CANCEL_WAIT_S)
+
+
+def _checksum_config(checksum: str | None) -> Any:
+    """The CRT's check of a full-object checksum, or None."""
+    if checksum is None:
+        return None
+    algorithm, _, value = checksum.partition(":")
+    enum = {
+        "crc64nvme": crts3.S3ChecksumAlgorithm.CRC64NVME,
+        "crc32c": crts3.S3ChecksumAlgorithm.CRC32C,
+        "crc32": crts3.S3ChecksumAlgorithm.CRC32,
+    }.get(algorithm)
+    if enum is None or not value:
+        return None
+    base64.b64decode(value, validate=True)  # a malformed value fails here, not in C
+    return crts3.S3ChecksumConfig(expected_checksum=value, expected_checksum_algorithm=enum)
+
+
+def _tls_options() -> Any:
+    """The CRT's TLS options: the system's trust store, or ``AWS_CA_BUNDLE``'s, as
+    botocore would use."""
+    options = crtio.TlsContextOptions()
+    bundle = os.environ.get("AWS_CA_BUNDLE")
+    if bundle:
+        options.override_default_trust_store_from_path(None, bundle)
+    return crtio.ClientTlsContext(options).new_connection_options()
+
+
+class Corrupted(Exception):
+    """The CRT found the body's checksum wrong (the caller raises its own VerifyError)."""
+
+
+def _translated(exc: BaseException) -> BaseException:
+    """A CRT failure as the aiobotocore path would have raised it."""
+    original = exc  # awscrt is untyped: past the isinstance checks, exc is Any
+    if isinstance(exc, crts3.S3ResponseError):
+        fields = dict(_XML_FIELD.findall(bytes(exc.body or b"")))
+        status = int(exc.status_code or 0)
+        code = fields.get(b"Code", b"").decode(errors="replace")
+        if not code and exc.name in _STATUS_OF:
+            status, code = _STATUS_OF[exc.name]
+        message = fields.get(b"Message", b"").decode(errors="replace")
+        return _client_error(status, code or str(status), message)
+    if not isinstance(exc, AwsCrtError):
+        return exc
+    name = exc.name
+    if name in _STATUS_OF:
+        return _client_error(*_STATUS_OF[name], "")
+    if name == "AWS_ERROR_S3_RESPONSE_CHECKSUM_MISMATCH":
+        return Corrupted(exc.message)
+    if name == "AWS_ERROR_NO_SPACE":
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if name in _NO_CONNECTION:
+        return ConnectionRefusedError(f"{name}: {exc.message}")
+    if name.startswith(_CONNECTION_ERRORS):
+        return ConnectionError(f"{name}: {exc.message}")
+    return original
+
+
+def _client_error(status: int, code: str, message: str) -> Exception:
+    """An S3 error answer as botocore raises it."""
+    response = {
+        "Error": {"Code": code, "Message": message},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    error: Exception = boto_exc.ClientError(response, "GetObject")
+    return error
