@@ -75,6 +75,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS))
     p.add_argument("--repeats", type=int, default=3, help="rounds, clients in turn each")
     p.add_argument("--small", action="store_true", help="a smoke run: 1 and 4 MB, 8 MB each")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="the daemons with [s3] verify_checksum = false: on a store without CRCs (RGW "
+        "16.2) no MD5 of the bytes, as the bare clients (which verify nothing)",
+    )
     p.add_argument("--out", type=Path, default=common.OUT_DIR, help="where the JSON goes")
     stores.add_argument(p)
     # Internal: one client's fetches, in a subprocess of its own.
@@ -275,10 +281,10 @@ def upload(
 
 
 def run_daemon(
-    endpoint: str, keys: list[str], conc: int, work: Path, *, native: bool
+    endpoint: str, keys: list[str], conc: int, work: Path, *, native: bool, verify: bool
 ) -> dict[str, float]:
     """A fresh daemon, an empty hot tier: every key prefetched, ``conc`` opens at once;
-    ``native``: with ``[s3] native_fetch``."""
+    ``native``: with ``[s3] native_fetch``; ``verify``: ``[s3] verify_checksum``."""
     from cached_client.protocol import Op
     from cached_client.transport import Connection
 
@@ -293,7 +299,7 @@ def run_daemon(
         {
             "server": {"socket": socket, "http": "127.0.0.1:0"},
             "cache": {"dir": str(run / "hot"), "capacity": "8GiB", "min_free": 0},
-            "s3": {"endpoint_url": endpoint, "native_fetch": native},
+            "s3": {"endpoint_url": endpoint, "native_fetch": native, "verify_checksum": verify},
             "prefetch": {"concurrency": conc},
         },
     )
@@ -400,7 +406,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         if client in DAEMONS:
                             native = client == "cached-native"
                             got = run_daemon(
-                                store.endpoint_url, keys[size], conc, work, native=native
+                                store.endpoint_url,
+                                keys[size],
+                                conc,
+                                work,
+                                native=native,
+                                verify=not args.no_verify,
                             )
                         else:
                             got = run_client(

@@ -163,6 +163,35 @@ def test_bit_rot_at_rest_is_found_after_a_restart(
         assert gets(s3_server, bucket, f"shard-{i:03d}.tar") == fetches
 
 
+def test_shards_torn_by_a_crash_are_dropped_at_the_restart_and_fetched_again(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """Publication does not fsync (D43): after a crash a published shard may be torn in
+    any way the page cache allows. Each is found before it is served: a data file cut
+    short or zeroed past a point, a sidecar empty or cut short."""
+    tars, expected = make_shards(5)
+    urls = upload(s3_server, bucket, tars)
+    # Reads unchecked: the reload's own checks must find them (a served member's check
+    # would find some of them too).
+    cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"cache.verify_reads": False})
+    with thread_daemon(cfg) as d:
+        assert read_all(d, urls) == expected
+        paths = [tar_path(d, url) for url in urls]
+    size = paths[0].stat().st_size
+    with open(paths[0], "r+b") as fh:  # the data cut short: its last pages never written
+        fh.truncate(size // 2)
+    with open(paths[1], "r+b") as fh:  # the right length, zeros past the middle
+        fh.seek(size // 2)
+        fh.write(bytes(size - size // 2))
+    paths[2].with_suffix(".idx").write_bytes(b"")  # the sidecar's data never written
+    idx = paths[3].with_suffix(".idx")
+    idx.write_bytes(idx.read_bytes()[:40])  # the sidecar cut short
+    with thread_daemon(cfg) as d:
+        assert read_all(d, urls) == expected
+    for i, fetches in enumerate([2, 2, 2, 2, 1]):
+        assert gets(s3_server, bucket, f"shard-{i:03d}.tar") == fetches
+
+
 def _old_sidecar(path: Path) -> None:
     """Rewrite a sidecar as daemons before checksums wrote it: url and version only, an
     index without checksums."""
