@@ -69,12 +69,9 @@ class SourceLike(Protocol):
     @property
     def revalidate_s(self) -> float: ...
 
-    @property
-    def fetches_natively(self) -> bool: ...
-
     async def head(self, url: str) -> ObjectInfo: ...
 
-    async def open(self, url: str) -> Opened: ...
+    async def open(self, url: str, landing: Path | None = None) -> Opened: ...
 
     async def fetch(
         self,
@@ -246,19 +243,13 @@ class Fetcher:
         """The object's description: the answer known (:meth:`Lookups.fresh`); for a URL
         the hot tier holds a copy of, a HEAD (a revalidation, with no download to share
         a GET with) or, while the store is down, the copy's own; else the headers of the
-        GET that downloads it (:meth:`_open`), but for a prefetch on the native path a
-        HEAD, whose native GET follows. An open ahead sends nothing until
+        GET that downloads it (:meth:`_open`). An open ahead sends nothing until
         ``deadline``: it takes the answer of someone else's GET (the prefetcher's), and
         only then asks as a demand would."""
         known = self.lookups.fresh(url, revalidate=revalidate)
         if known is not None:
             return known
         if self.hot.latest(url) is not None or not self.lookups.health.reachable:
-            return await self.lookups.get(url, revalidate=revalidate)
-        if priority == PREFETCH and self.sources.fetches_natively:
-            # No reader waits on a prefetch: a HEAD (shared by all who ask meanwhile) and
-            # then a native GET cost no Python per byte, where an open's GET would stream
-            # its body through Python (D42). A reader's miss keeps the one-request open.
             return await self.lookups.get(url, revalidate=revalidate)
         if priority == AHEAD:
             info = await self._answered_soon(url, deadline, revalidate=revalidate)
@@ -334,7 +325,7 @@ class Fetcher:
         await self._slot(opening.priority, url, url)
         try:
             try:
-                opened = await self.sources.open(url)
+                opened = await self.sources.open(url, self.hot.landing())
             except CachedError as exc:
                 # The download's GET failed: a fetch that failed, under the tier asked
                 # first (which tier answered is not known before the headers).

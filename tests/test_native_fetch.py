@@ -45,7 +45,7 @@ class Native:
 
     async def __aenter__(self) -> S3Source:
         src = await self.source.__aenter__()
-        assert src.native, "the native path was not taken"
+        assert src.fetches_natively, "the native path was not taken"
         return src
 
     async def __aexit__(self, *exc: object) -> None:
@@ -106,6 +106,147 @@ async def test_a_body_already_answering_streams_where_it_is(
             assert await src.fetch(opened.info, sink, opened=opened, into=path) is False
     assert b"".join(got) == body and not path.exists()
     assert s3_server.count("GET", bucket) == 1
+
+
+async def test_an_open_holds_the_body_until_the_fetch_lets_it_come(
+    proxy: FaultProxy, s3_server: S3Server, bucket: str, aio_session: Any, tmp_path: Path
+) -> None:
+    # One request describes the object and brings it (D27), natively: nothing lands in
+    # the file before the fetch lets it (the hot tier reserves room in between).
+    body = payload(MID)
+    s3_server.put(bucket, "obj.tar", body)
+    landing, path = tmp_path / "open.partial", tmp_path / "obj.tar.partial"
+    async with Native(proxy.endpoint_url, aio_session) as src:
+        url = f"s3://{bucket}/obj.tar"
+        async with await src.open(url, landing) as opened:
+            # A plain-MD5 ETag checks the bytes: no HEAD for the store's checksum.
+            described = await src.head(url)
+            assert opened.info.size == MID and opened.info.version == described.version
+            await asyncio.sleep(0.3)
+            assert landing.stat().st_size == 0  # held at the headers
+            assert await src.fetch(opened.info, nothing, opened=opened, into=path) is True
+    assert await asyncio.to_thread(path.read_bytes) == body and not landing.exists()
+    assert len(proxy.requests("GET")) == -(-MID // PART)  # the parts of one GET, no more
+    assert len(proxy.requests("HEAD")) == 1  # the test's own
+
+
+def put_multipart(s3_server: S3Server, bucket: str, key: str, body: bytes) -> None:
+    """An object uploaded in two parts with a full-object CRC64NVME (as current SDKs do
+    on S3): its ETag is no MD5."""
+    client, half = s3_server.client, 5 << 20  # S3's smallest part but the last
+    up = client.create_multipart_upload(
+        Bucket=bucket, Key=key, ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT"
+    )
+    parts = []
+    for number, chunk in ((1, body[:half]), (2, body[half:])):
+        done = client.upload_part(
+            Bucket=bucket,
+            Key=key,
+            UploadId=up["UploadId"],
+            PartNumber=number,
+            Body=chunk,
+            ChecksumAlgorithm="CRC64NVME",
+        )
+        parts.append(
+            {
+                "ETag": done["ETag"],
+                "PartNumber": number,
+                "ChecksumCRC64NVME": done["ChecksumCRC64NVME"],
+            }
+        )
+    client.complete_multipart_upload(
+        Bucket=bucket, Key=key, UploadId=up["UploadId"], MultipartUpload={"Parts": parts}
+    )
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "corrupted"])
+async def test_an_open_of_a_multipart_object_checks_the_stores_checksum(
+    *,
+    proxy: FaultProxy,
+    s3_server: S3Server,
+    bucket: str,
+    aio_session: Any,
+    tmp_path: Path,
+    corrupt: bool,
+) -> None:
+    # The open's GET is ranged (the CRT's first part) and brings no full-object checksum;
+    # the ETag is no MD5: a HEAD asks for the checksum, and the file is checked with it.
+    if not s3_server.keeps_checksums:
+        pytest.skip("this store keeps no checksums (RGW 16.2): the size check alone")
+    body = payload((5 << 20) + 1000)
+    put_multipart(s3_server, bucket, "obj.tar", body)
+    client = Native(proxy.endpoint_url, aio_session, part_size_bytes=8 << 20)
+    async with client as src:
+        url = f"s3://{bucket}/obj.tar"
+        if corrupt:  # the open's GET (its one part comes before the headers)
+            proxy.inject("corrupt", offset=12345)
+        async with await src.open(url, tmp_path / "open") as opened:
+            assert opened.info.checksum is not None
+            assert opened.info.checksum.startswith("crc64nvme:")
+            assert len(proxy.requests("HEAD")) == 1
+            path = tmp_path / "obj"
+            assert await src.fetch(opened.info, nothing, opened=opened, into=path) is True
+    assert await asyncio.to_thread(path.read_bytes) == body
+    assert client.reasons == ([CORRUPT] if corrupt else [])
+
+
+async def test_an_open_not_fetched_leaves_no_file_and_ends_its_request(
+    proxy: FaultProxy, s3_server: S3Server, bucket: str, aio_session: Any, tmp_path: Path
+) -> None:
+    s3_server.put(bucket, "obj.tar", payload(MID))
+    landing = tmp_path / "open.partial"
+    async with Native(proxy.endpoint_url, aio_session) as src:
+        async with await src.open(f"s3://{bucket}/obj.tar", landing) as opened:
+            assert opened.info.size == MID
+        assert not landing.exists()
+        for _ in range(200):  # the CRT drops the held connection
+            if proxy.in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert proxy.in_flight == 0
+        gone = f"s3://{bucket}/gone.tar"
+        with pytest.raises(ObjectNotFound):
+            await src.open(gone, tmp_path / "gone.partial")
+    assert not (tmp_path / "gone.partial").exists()
+    assert len(proxy.requests("GET")) == 2
+
+
+@pytest.mark.parametrize("fault", ["cut", "corrupt"])
+@pytest.mark.parametrize("when", ["before-headers", "after-headers"])
+async def test_an_open_whose_get_fails_is_asked_again(
+    *,
+    proxy: FaultProxy,
+    s3_server: S3Server,
+    bucket: str,
+    aio_session: Any,
+    tmp_path: Path,
+    fault: str,
+    when: str,
+) -> None:
+    # The CRT gives the headers once the first part is in (in memory): a failure in it
+    # fails the open, which is asked again; one in a later part fails the fetch, whose
+    # new GET names the version the open found.
+    body = payload(MID)
+    s3_server.put(bucket, "obj.tar", body)
+    client = Native(proxy.endpoint_url, aio_session, part_concurrency=1)
+    async with client as src:
+        if when == "before-headers":
+            proxy.inject(fault, after_bytes=1000, offset=500)
+        async with await src.open(f"s3://{bucket}/obj.tar", tmp_path / "open") as opened:
+            if when == "after-headers":
+                proxy.inject(fault, after_bytes=1000, offset=500)  # a later part's GET
+            path = tmp_path / "obj"
+            assert await src.fetch(opened.info, nothing, opened=opened, into=path) is True
+    assert await asyncio.to_thread(path.read_bytes) == body
+    assert client.reasons == [CONNECTION if fault == "cut" else CORRUPT]
+    gets = proxy.requests("GET")
+    failed = next(i for i, seen in enumerate(gets) if seen.fault)
+    if when == "after-headers" or fault == "corrupt":  # MD5: found once the body is in
+        # A new GET of the whole object, naming the version the open found.
+        etag = f'"{opened.info.etag}"'
+        assert any(g.range == f"bytes=0-{PART - 1}" and g.if_match == etag for g in gets[failed:])
+    else:
+        assert gets[failed + 1].if_match is None  # the open, asked again
 
 
 FAULTS = [

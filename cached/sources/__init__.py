@@ -92,9 +92,9 @@ class Sources(OwnsStack):
         """Look ``url`` up in its tier (see :meth:`Source.head`)."""
         return await (await self.source_for(url)).head(url)
 
-    async def open(self, url: str) -> Opened:
+    async def open(self, url: str, landing: Path | None = None) -> Opened:
         """Start reading ``url`` from its tier (see :meth:`Source.open`)."""
-        return await (await self.source_for(url)).open(url)
+        return await (await self.source_for(url)).open(url, landing)
 
     async def fetch(
         self,

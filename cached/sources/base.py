@@ -111,9 +111,13 @@ class Source(Protocol):
         """Return the object's size and version. Raises ``ObjectNotFound`` or ``FetchError``."""
         ...
 
-    async def open(self, url: str) -> Opened:
+    async def open(self, url: str, landing: Path | None = None) -> Opened:
         """Start reading the object: its description as :meth:`head` gives it, from the
-        answer that also carries its bytes (one request, not two). Raises as :meth:`head`."""
+        answer that also carries its bytes (one request, not two). Raises as :meth:`head`.
+
+        ``landing``: a file (in the hot tier) the source may write the body into as it
+        arrives, no sooner than :meth:`fetch` lets it (the native path); it is removed
+        if the body is not taken."""
         ...
 
     async def fetch(

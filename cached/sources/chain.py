@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from ..config import ColdConfig, S3Config
 from ..errors import FetchError, ObjectArchived, ObjectNotFound
-from . import Sources, native
+from . import Sources
 from .base import ObjectInfo, Opened, OwnsStack, Rewind, Sink, Source
 from .retry import OnRetry
 from .s3 import S3Source
@@ -37,8 +37,11 @@ async def _head(source: Source, url: str) -> ObjectInfo:
     return await source.head(url)
 
 
-async def _open(source: Source, url: str) -> Opened:
-    return await source.open(url)
+def _opener(landing: Path | None) -> Callable[[Source, str], Awaitable[Opened]]:
+    async def _open(source: Source, url: str) -> Opened:
+        return await source.open(url, landing)
+
+    return _open
 
 
 class TierChain(OwnsStack):
@@ -84,13 +87,6 @@ class TierChain(OwnsStack):
         """How long the tiers' answer about an object is trusted (``[s3] revalidate_s``)."""
         return self._s3_cfg.revalidate_s
 
-    @property
-    def fetches_natively(self) -> bool:
-        """Whether S3 GETs into the hot tier take the native path (``[s3] native_fetch``
-        and awscrt importable): then a GET that does not stop at its headers costs no
-        Python per byte, and a prefetch is better looked up first (a HEAD)."""
-        return self._s3_cfg.native_fetch and native.available()
-
     async def __aenter__(self) -> TierChain:
         async with AsyncExitStack() as stack:
             await stack.enter_async_context(self._warm)
@@ -132,10 +128,10 @@ class TierChain(OwnsStack):
         info, cold_url = await self._find(url, _head)
         return info if cold_url is None else _as_cold(info, url, cold_url)
 
-    async def open(self, url: str) -> Opened:
+    async def open(self, url: str, landing: Path | None = None) -> Opened:
         """Start reading ``url`` (see :meth:`Source.open`) from the tier :meth:`head`
         would find it in; its ``info`` is what :meth:`head` would return."""
-        opened, cold_url = await self._find(url, _open)
+        opened, cold_url = await self._find(url, _opener(landing))
         if cold_url is not None:
             opened.info = _as_cold(opened.info, url, cold_url)
         return opened

@@ -22,7 +22,7 @@ from typing import Any
 # algorithm -> (the GET/HEAD response field, running update(data, previous) -> value,
 # digest size in bytes). The most collision-resistant first: a store that keeps several
 # (rare) is checked with the best one.
-Update = Callable[[bytes, int], int]
+Update = Callable[[bytes | memoryview, int], int]
 
 
 def _crt(name: str) -> Update | None:
@@ -34,7 +34,7 @@ def _crt(name: str) -> Update | None:
     return fn
 
 
-def _zlib_crc32(data: bytes, previous: int) -> int:
+def _zlib_crc32(data: bytes | memoryview, previous: int) -> int:
     return zlib.crc32(data, previous)
 
 
@@ -71,7 +71,7 @@ class Running:
         self._size = entry[2]
         self._value = 0
 
-    def update(self, data: bytes) -> None:
+    def update(self, data: bytes | memoryview) -> None:
         """Add the next bytes (releases the GIL for large ones in both zlib and awscrt)."""
         self._value = self._update(data, self._value)
 

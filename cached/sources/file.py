@@ -74,8 +74,9 @@ class FileSource(OwnsStack):
             raise FetchError(f"{url}: not a regular file")
         return ObjectInfo(url=url, endpoint=ENDPOINT, size=st.st_size, version=_version(st))
 
-    async def open(self, url: str) -> Opened:
-        """:meth:`head`'s answer, holding nothing: a stat costs no round trip to save."""
+    async def open(self, url: str, landing: Path | None = None) -> Opened:
+        """:meth:`head`'s answer, holding nothing: a stat costs no round trip to save
+        (``landing`` is unused)."""
         return Opened(await self.head(url))
 
     async def fetch(

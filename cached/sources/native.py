@@ -61,6 +61,9 @@ SLOWEST_BYTES_PER_S = 1 << 20
 # How long a cancelled GET is waited for, at most, before its file is left to the CRT
 # (which then writes into an unlinked inode: harmless, freed when it closes the file).
 _CANCEL_WAIT_S = 10.0
+# How long a held GET's CRT thread waits in the headers callback for the event loop to
+# let the body come (normally a loop round trip: the tier reserves room at once or not).
+HOLD_S = 5.0
 # The smallest memory bound the CRT accepts for its part buffers.
 _MIN_MEMORY_LIMIT = 256 << 20
 _XML_FIELD = re.compile(rb"<(Code|Message)>([^<]*)</\1>")
@@ -194,6 +197,34 @@ class NativeClient:
         module docstring says; returns once every byte is in the file (not yet synced),
         having checked that ``size`` bytes arrived.
         """
+        request = await self._start(bucket, key, path, etag=etag, checksum=checksum, hold=False)
+        return await request.finish(size)
+
+    async def open(self, bucket: str, key: str, path: Path) -> NativeGet:
+        """GET the whole object into ``path``, and stop at its headers: the body is held
+        back (not one byte written) until :meth:`NativeGet.finish`, or dropped by
+        :meth:`NativeGet.abort`. One request both describes the object and brings it
+        (D27), with no Python per byte. Raises as :meth:`get` does (404, 403...) when the
+        store answers with an error instead."""
+        request = await self._start(bucket, key, path, etag=None, checksum=None, hold=True)
+        try:
+            await request.answered()
+        except BaseException:
+            await request.cancel()
+            await asyncio.to_thread(path.unlink, True)  # missing_ok
+            raise
+        return request
+
+    async def _start(
+        self,
+        bucket: str,
+        key: str,
+        path: Path,
+        *,
+        etag: str | None,
+        checksum: str | None,
+        hold: bool,
+    ) -> NativeGet:
         client = self._client
         if client is None:
             raise RuntimeError("the native S3 client is closed")
@@ -206,48 +237,122 @@ class NativeClient:
         headers = [("Host", host)]
         if etag:
             headers.append(("If-Match", f'"{etag}"'))
-        got: dict[str, Any] = {}
-        received = [0]
-
-        def on_headers(status_code: int, headers: list[tuple[str, str]], **_: Any) -> None:
-            got["status"] = status_code
-            got["headers"] = {k.lower(): v for k, v in headers}
-
-        def on_progress(progress: int) -> None:
-            received[0] += progress
-
-        request = client.make_request(
+        got = NativeGet(path, self._cfg.read_timeout_s, hold)
+        got.request = client.make_request(
             type=crts3.S3RequestType.GET_OBJECT,
             request=http.HttpRequest("GET", target, http.HttpHeaders(headers)),
             recv_filepath=str(path),
             checksum_config=_checksum_config(checksum),
-            on_headers=on_headers,
-            on_progress=on_progress,
+            on_headers=got.on_headers,
+            on_progress=got.on_progress,
         )
-        finished = asyncio.wrap_future(request.finished_future)
-        deadline = self._cfg.read_timeout_s + size / SLOWEST_BYTES_PER_S
+        got.finished = asyncio.wrap_future(got.request.finished_future)
+        return got
+
+
+class NativeGet:
+    """One GET of the native client, writing into :attr:`path`.
+
+    Its callbacks run on CRT threads. Held (``hold``), the headers callback waits there,
+    for :data:`HOLD_S` at most, until the event loop lets the body come (:meth:`finish`)
+    or drops it (:meth:`abort`): the CRT thread then reads nothing more from that
+    connection, so no byte lands before the caller decided (the tier's hard bound).
+    """
+
+    def __init__(self, path: Path, read_timeout_s: float, hold: bool) -> None:
+        self.path = path
+        self.request: Any = None
+        self.finished: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._read_timeout_s = read_timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._answer: asyncio.Future[Got] = self._loop.create_future()
+        self._hold = hold
+        self._go = threading.Event()
+        self._dropped = False
+        self._received = 0
+
+    # -- on CRT threads ------------------------------------------------------------------
+
+    def on_headers(self, status_code: int, headers: list[tuple[str, str]], **_: Any) -> None:
+        got = Got(status_code, {k.lower(): v for k, v in headers})
+        self._loop.call_soon_threadsafe(_settle, self._answer, got)
+        if not self._hold or status_code >= 300:
+            return
+        if not self._go.wait(HOLD_S) or self._dropped:
+            # Raised here, it ends the request: the CRT reports it as the failure.
+            raise _Dropped("the body was not wanted")
+
+    def on_progress(self, progress: int) -> None:
+        self._received += progress
+
+    # -- on the event loop ---------------------------------------------------------------
+
+    async def answered(self) -> Got:
+        """The headers, once they came; raises what the request failed with before."""
+        await asyncio.wait({self._answer, self.finished}, return_when=asyncio.FIRST_COMPLETED)
+        if self._answer.done():
+            return self._answer.result()
+        try:
+            self.finished.result()
+        except Exception as exc:
+            raise _translated(exc) from exc
+        raise ConnectionError("the GET ended without an answer")
+
+    @property
+    def headers(self) -> Got:
+        """The headers (after :meth:`answered`)."""
+        return self._answer.result()
+
+    def abort(self) -> None:
+        """Drop a held body unread: the request ends (not awaited), and the file goes."""
+        self._dropped = True
+        self._go.set()
+        with suppress(OSError):
+            self.path.unlink()
+
+    async def cancel(self) -> None:
+        """End the request and wait for it (bounded): no CRT thread writes the file after."""
+        self._dropped = True
+        self._go.set()
+        await _cancelled(self.request, self.finished)
+
+    async def finish(self, size: int) -> Got:
+        """Let a held body come, and wait for the end of the request, within its deadline
+        (``read_timeout_s`` plus the size at :data:`SLOWEST_BYTES_PER_S`). Checks that
+        ``size`` bytes arrived."""
+        self._go.set()
+        deadline = self._read_timeout_s + size / SLOWEST_BYTES_PER_S
         try:
             async with asyncio.timeout(deadline):
-                await asyncio.shield(finished)
+                await asyncio.shield(self.finished)
         except TimeoutError:
-            await _cancelled(request, finished)
+            await self.cancel()
             raise TimeoutError(
                 f"GET took more than {deadline:.1f}s ([s3] read_timeout_s, plus the "
                 f"size at {SLOWEST_BYTES_PER_S >> 20} MiB/s)"
             ) from None
         except asyncio.CancelledError:
-            await _cancelled(request, finished)
+            await self.cancel()
             raise
         except Exception as exc:
             raise _translated(exc) from exc
-        if received[0] != size:
+        if self._received != size:
             # A part shorter than asked (a store that answered a range with fewer bytes
             # and an honest length) leaves a hole the CRT does not notice.
             raise VerifyError(
-                f"size mismatch: expected {size} bytes, {received[0]} arrived; the object "
+                f"size mismatch: expected {size} bytes, {self._received} arrived; the object "
                 "is not the expected size; look it up again"
             )
-        return Got(int(got.get("status", 0)), got.get("headers", {}))
+        return self._answer.result() if self._answer.done() else Got(0, {})
+
+
+class _Dropped(Exception):
+    """A held body its caller did not want (or did not decide on within HOLD_S)."""
+
+
+def _settle(future: asyncio.Future[Got], got: Got) -> None:
+    if not future.done():
+        future.set_result(got)
 
 
 async def _cancelled(request: Any, finished: asyncio.Future[Any]) -> None:
@@ -309,7 +414,7 @@ def _translated(exc: BaseException) -> BaseException:
     if name == "AWS_ERROR_NO_SPACE":
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if name in _NO_CONNECTION:
-        return ConnectionRefusedError(f"{name}: {exc.message}")
+        return ConnectionRefusedError(f"could not connect to the endpoint ({name}: {exc.message})")
     if name.startswith(_CONNECTION_ERRORS):
         return ConnectionError(f"{name}: {exc.message}")
     return original

@@ -13,6 +13,8 @@ Objects in an archive storage class that are not restored raise :class:`ObjectAr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import email.utils
 import hashlib
 import logging
 import math
@@ -20,7 +22,7 @@ import mmap
 import os
 import re
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, suppress
 from pathlib import Path
 from typing import Any, TypeVar
@@ -307,6 +309,30 @@ def _ask_for_checksum(params: dict[str, Any], **_: Any) -> None:
         headers["x-amz-checksum-mode"] = "ENABLED"
 
 
+class _OpenedNative(Opened):
+    """A native GET held at its headers (see :meth:`S3Source.open` ``landing``)."""
+
+    def _discard(self, response: Any) -> None:
+        response.abort()
+
+
+def _as_response(headers: Mapping[str, str]) -> dict[str, Any]:
+    """A native GET's headers (lower-case names) as botocore's response fields that
+    :meth:`S3Source._describe` reads."""
+    response: dict[str, Any] = {"ContentLength": int(headers.get("content-length", -1))}
+    if "etag" in headers:
+        response["ETag"] = headers["etag"]
+    if "last-modified" in headers:
+        with suppress(TypeError, ValueError):
+            response["LastModified"] = email.utils.parsedate_to_datetime(headers["last-modified"])
+    for name, value in headers.items():
+        if name.startswith("x-amz-checksum-") and name != "x-amz-checksum-type":
+            response["Checksum" + name.removeprefix("x-amz-checksum-").upper()] = value
+    if "x-amz-checksum-type" in headers:
+        response["ChecksumType"] = headers["x-amz-checksum-type"]
+    return response
+
+
 class _OpenedGet(Opened):
     """A GET of a whole object whose headers have arrived (see :meth:`S3Source.open`)."""
 
@@ -443,7 +469,7 @@ class S3Source(OwnsStack):
         return frozen.access_key, frozen.secret_key, frozen.token
 
     @property
-    def native(self) -> bool:
+    def fetches_natively(self) -> bool:
         """Whether GETs into a file take the native path (awscrt), not aiobotocore."""
         return self._native is not None
 
@@ -494,29 +520,67 @@ class S3Source(OwnsStack):
             raise _archived(url, archived, None if restore is None else str(restore))
         return self._describe(url, response)
 
-    async def open(self, url: str) -> Opened:
+    async def open(self, url: str, landing: Path | None = None) -> Opened:
         """GET the whole object and stop at its headers: the object as :meth:`head`
         describes it (size, ETag, the store's checksum), and the body, unread, for
         :meth:`fetch` (``opened=``) to stream. Close it (``async with``) if it is not
         fetched. Raises as :meth:`head` does.
+
+        ``landing``: a file the native path may write the body into (created; removed
+        when the body is not taken). With it, on the native path, the GET is awscrt's,
+        its body held back at the CRT until :meth:`fetch` lets it come into that file.
         """
         client = self._require_client()
         loc = _s3_location(url)
+        native_client = self._native
+        if native_client is not None and landing is not None:
+
+            async def opening() -> Any:
+                return await native_client.open(loc.bucket, loc.key, landing)
+
+            op: Callable[[], Awaitable[Any]] = opening
+        else:
+
+            async def get() -> Any:
+                return await _get_object(client, Bucket=loc.bucket, Key=loc.key)
+
+            op = get
         try:
-            response = await self._call(
-                f"GET {url}", url, lambda: _get_object(client, Bucket=loc.bucket, Key=loc.key)
-            )
+            response = await self._call(f"GET {url}", url, op)
         except ObjectArchived:
             # A GET's 403 does not say whether a restore is under way; a HEAD does (it
             # raises that ObjectArchived). An error path: the extra request is no cost.
             await self.head(url)
             raise
+        if isinstance(response, native.NativeGet):
+            try:
+                info = await self._with_checksum(
+                    self._describe(url, _as_response(response.headers.headers))
+                )
+            except BaseException:
+                response.abort()
+                raise
+            return _OpenedNative(info, response)
         try:
             info = self._describe(url, response)
         except BaseException:
             response["Body"].close()
             raise
         return _OpenedGet(info, response)
+
+    async def _with_checksum(self, info: ObjectInfo) -> ObjectInfo:
+        """``info`` from a native open, with the store's checksum where it needs one.
+
+        The CRT's GET asks for a range (its first part), and no store sends a full-object
+        checksum with a range. An ETag that is an MD5 checks the bytes without one; any
+        other (a multipart upload's) would leave the size alone, so a HEAD asks for it.
+        """
+        if not self._cfg.verify_checksum or _PLAIN_MD5.match((info.etag or "").lower()):
+            return info
+        described = await self.head(info.url)
+        if described.version != info.version:
+            raise ObjectChanged(f"{info.url}: the object changed while it was opened")
+        return dataclasses.replace(info, checksum=described.checksum)
 
     def _describe(self, url: str, response: dict[str, Any]) -> ObjectInfo:
         """The object as a HEAD's, or a whole-object GET's, headers describe it."""
@@ -568,9 +632,17 @@ class S3Source(OwnsStack):
         without it, or when every attempt is damaged, :class:`VerifyError`.
         """
         self._require_client()
-        if into is not None and self._native is not None and not (opened and opened.unread):
-            # A body already answering (a demand miss's open, D27) is read where it is:
-            # asking again would cost a request and its first bytes' latency.
+        if isinstance(opened, _OpenedNative):
+            held = opened.take()
+            if into is not None and self._native is not None:
+                await self._fetch_native(info, into, held)
+                return True
+            if held is not None:
+                held.abort()  # nowhere to write it natively: botocore asks again
+            opened = None
+        elif into is not None and self._native is not None and not (opened and opened.unread):
+            # A body already answering through botocore is read where it is: asking
+            # again would cost a request and its first bytes' latency.
             await self._fetch_native(info, into)
             return True
 
@@ -605,15 +677,21 @@ class S3Source(OwnsStack):
             if again is not None:
                 await again()
 
-    async def _fetch_native(self, info: ObjectInfo, path: Path) -> None:
+    async def _fetch_native(
+        self, info: ObjectInfo, path: Path, held: native.NativeGet | None = None
+    ) -> None:
         """GET the object into ``path`` through the native client, and verify it: the
         store's checksum by the CRT, else the MD5 of a plain ETag over the file, and the
-        size. Each GET is retried whole (a failed one leaves holes, not a prefix)."""
+        size. Each GET is retried whole (a failed one leaves holes, not a prefix).
+        ``held``: the open's GET (:meth:`open`), whose body comes first, into its landing
+        file, which then replaces ``path``; it knew no checksum to ask the CRT for."""
         client = self._native
         assert client is not None
         if info.size == 0:
             # The CRT would spend two GETs (a 416 to its ranged first part, then the
             # whole); there is nothing to fetch, and an empty file is no tar either.
+            if held is not None:
+                held.abort()
             await asyncio.to_thread(path.write_bytes, b"")
             return
         loc = _s3_location(info.url)
@@ -622,9 +700,22 @@ class S3Source(OwnsStack):
         etag = (info.etag or "").lower()
 
         async def get() -> native.Got:
-            return await client.get(
-                loc.bucket, loc.key, path, size=info.size, etag=info.etag, checksum=checksum
-            )
+            nonlocal held
+            first, held = held, None
+            if first is None:
+                return await client.get(
+                    loc.bucket, loc.key, path, size=info.size, etag=info.etag, checksum=checksum
+                )
+            try:
+                got = await first.finish(info.size)
+                await asyncio.to_thread(os.replace, first.path, path)
+            except BaseException:
+                first.path.unlink(missing_ok=True)
+                raise
+            # The open's GET knew no checksum to give the CRT: the file is checked here.
+            if checksum is not None and not await asyncio.to_thread(_file_matches, path, checksum):
+                raise native.Corrupted(f"{checksum.partition(':')[0].upper()} mismatch")
+            return got
 
         async def fetch() -> None:
             try:
@@ -645,7 +736,11 @@ class S3Source(OwnsStack):
                 if found != etag:
                     raise _md5_mismatch(info.url, etag, found)
 
-        await self._until_intact(fetch, self._policy.attempts, None)
+        try:
+            await self._until_intact(fetch, self._policy.attempts, None)
+        finally:
+            if held is not None:  # the open's GET never ran (a failure before it)
+                held.abort()
 
     def upload_part_size(self, size: int) -> int:
         """The part size :meth:`put` uses for a ``size``-byte multipart upload.
@@ -942,6 +1037,18 @@ class S3Source(OwnsStack):
             for task in window:
                 task.cancel()
             await asyncio.gather(*window, return_exceptions=True)
+
+
+def _file_matches(path: Path, checksum: str) -> bool:
+    """Whether a file's bytes have the store's checksum ``"algorithm:base64"`` (blocking)."""
+    running = checksums.Running(checksum)
+    with (
+        open(path, "rb") as fh,
+        mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mapped,
+        memoryview(mapped) as view,
+    ):
+        running.update(view)
+    return running.matches()
 
 
 def _md5_of_file(path: Path) -> str:

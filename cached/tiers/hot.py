@@ -42,6 +42,7 @@ import contextlib
 import enum
 import logging
 import os
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -209,6 +210,13 @@ class HotTier:
         self._unwritten = 0
         self._effective = capacity_bytes  # see capacity_bytes
         self._looked = -DISK_LOOK_S  # time.monotonic() of the last look at the disk
+
+    def landing(self) -> Path:
+        """A fresh file name in the tier's directory for a body that arrives before its
+        shard is named (a native open's GET, D42); a ``.partial``, so a restart removes
+        one left behind. Its bytes count once the shard's reservation is made, and the
+        source writes none before that."""
+        return self.dir / f"open-{secrets.token_hex(8)}.partial"
 
     # -- start -------------------------------------------------------------------------
 
