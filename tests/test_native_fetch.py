@@ -84,7 +84,7 @@ async def test_the_file_holds_exactly_the_object(
         info = await src.head(f"s3://{bucket}/obj.tar")
         s3_server.reset_counts()
         assert await fetched(src, info, path) == body
-    # One GET per part of [s3] part_size (the CRT splits them), each If-Match the ETag.
+    # One GET per part of [s3] part_size (the CRT splits them; 8 MiB at most).
     assert s3_server.count("GET", bucket) == -(-size // PART)
 
 

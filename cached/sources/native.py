@@ -61,6 +61,10 @@ SLOWEST_BYTES_PER_S = 1 << 20
 # How long a cancelled GET is waited for, at most, before its file is left to the CRT
 # (which then writes into an unlinked inode: harmless, freed when it closes the file).
 _CANCEL_WAIT_S = 10.0
+# The largest part the CRT is given: with 16 MiB parts its threads spent 1.3-1.6 ms of
+# kernel time per MB against 0.8 with 8 MiB (its own default), at a lower rate (515-550
+# MB/s against 595-625; a /tmp script, 12 x 16 MB from RGW, 4 at once, medians of 4).
+CRT_PART_BYTES = 8 << 20
 # How long a held GET's CRT thread waits in the headers callback for the event loop to
 # let the body come (normally a loop round trip: the tier reserves room at once or not).
 HOLD_S = 5.0
@@ -143,6 +147,7 @@ class NativeClient:
         elg = crtio.EventLoopGroup(num_threads=min(os.cpu_count() or 1, 4))
         bootstrap = crtio.ClientBootstrap(elg, crtio.DefaultHostResolver(elg))
         secure = parts.scheme == "https"
+        part_size = min(cfg.part_size_bytes, CRT_PART_BYTES)
         modes = crts3.S3RequestTlsMode
         provider = auth.AwsCredentialsProvider.new_delegate(self._signing_credentials)
         self._client = crts3.S3Client(
@@ -153,9 +158,9 @@ class NativeClient:
             signing_config=crts3.create_default_s3_signing_config(
                 region=cfg.region, credential_provider=provider
             ),
-            part_size=cfg.part_size_bytes,
+            part_size=part_size,
             max_active_connections_override=cfg.max_pool_connections,
-            memory_limit=max(_MIN_MEMORY_LIMIT, cfg.part_size_bytes * cfg.part_concurrency * 2),
+            memory_limit=max(_MIN_MEMORY_LIMIT, part_size * cfg.part_concurrency * 2),
             retry_config=crts3.S3RetryConfig(retry_mode=crts3.S3RetryMode.NONE),
             connect_timeout_ms=max(1, round(cfg.connect_timeout_s * 1000)),
         )
