@@ -76,6 +76,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="rounds, clients in turn each")
     p.add_argument("--small", action="store_true", help="a smoke run: 1 and 4 MB, 8 MB each")
     p.add_argument(
+        "--daemon-cpus",
+        type=int,
+        help="pin the daemons' threads to this many CPUs (the first ones), to see how the "
+        "fill scales with cores",
+    )
+    p.add_argument(
         "--no-verify",
         action="store_true",
         help="the daemons with [s3] verify_checksum = false: on a store without CRCs (RGW "
@@ -280,11 +286,26 @@ def upload(
     return keys, nbytes
 
 
+def pin_threads(pid: int, cpus: int) -> None:
+    """Every thread of process ``pid`` (those it starts later inherit it) on the first
+    ``cpus`` CPUs."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), set(range(cpus)))
+
+
 def run_daemon(
-    endpoint: str, keys: list[str], conc: int, work: Path, *, native: bool, verify: bool
+    endpoint: str,
+    keys: list[str],
+    conc: int,
+    work: Path,
+    *,
+    native: bool,
+    verify: bool,
+    cpus: int | None = None,
 ) -> dict[str, float]:
     """A fresh daemon, an empty hot tier: every key prefetched, ``conc`` opens at once;
-    ``native``: with ``[s3] native_fetch``; ``verify``: ``[s3] verify_checksum``."""
+    ``native``: with ``[s3] native_fetch``; ``verify``: ``[s3] verify_checksum``;
+    ``cpus``: its threads pinned to that many CPUs."""
     from cached_client.protocol import Op
     from cached_client.transport import Connection
 
@@ -314,6 +335,8 @@ def run_daemon(
             conn.request(
                 {"op": Op.OPEN, "url": f"s3://{BUCKET}/{WARM}", "stream": "fill", "pin": False}
             )
+            if cpus is not None:  # after the warm-up: the S3 clients' threads exist now
+                pin_threads(pid, cpus)
             user0, sys0 = common.process_cpu(pid)
             wall0 = time.perf_counter()
             pending: list[int] = []
@@ -412,6 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 work,
                                 native=native,
                                 verify=not args.no_verify,
+                                cpus=args.daemon_cpus,
                             )
                         else:
                             got = run_client(
