@@ -128,9 +128,9 @@ class NativeClient:
     """awscrt's ``S3Client`` for one endpoint, writing GETs straight to files.
 
     ``credentials`` is awaited on the event loop before each GET and returns the
-    current ``(access key, secret key, token)``, or None for unsigned requests: the
-    daemon's botocore credential chain, so both paths sign as the same principal. Use
-    :meth:`close` when done.
+    current ``(access key, secret key, token)``, from the daemon's botocore credential
+    chain, so both paths sign as the same principal; None (nothing found) fails the GET
+    with botocore's ``NoCredentialsError``. Use :meth:`close` when done.
     """
 
     def __init__(self, cfg: S3Config, endpoint_url: str, credentials: Credentials) -> None:
