@@ -9,6 +9,7 @@ reports), Debian's ``chromium`` driven over the DevTools protocol (cached/browse
 from __future__ import annotations
 
 import asyncio
+import decimal
 import json
 import struct
 import time
@@ -86,14 +87,21 @@ def fmt_int(n: float) -> str:
     return f"{round(n):,}"
 
 
+def to_fixed(x: float, digits: int) -> str:
+    """JavaScript's ``x.toFixed(digits)`` for x >= 0: an exact tie (97.25 is one in binary)
+    rounds up, where Python's format rounds it to even (97.2)."""
+    exact = decimal.Decimal(x)  # the double's exact value: a tie only where it is one
+    return str(exact.quantize(decimal.Decimal(1).scaleb(-digits), decimal.ROUND_HALF_UP))
+
+
 def fmt_pct(f: float) -> str:
-    return f"{100 * f:.1f}%"
+    return f"{to_fixed(100 * f, 1)}%"
 
 
 def fmt_secs(s: float) -> str:
     if s < 120:
-        return f"{s:.1f} s"
-    return f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
+        return f"{to_fixed(s, 1)} s"
+    return f"{to_fixed(s / 60, 1)} min" if s < 7200 else f"{to_fixed(s / 3600, 1)} h"
 
 
 def raw(value: str) -> float | None:

@@ -78,8 +78,13 @@ def keys_and_bins(urls: list[str], socket: str, **kw: Any) -> dict[str, bytes]:
 
 def effective(d: Any) -> tuple[int, int, float]:
     """The capacity and the effective capacity in the daemon's status, and the effective
-    capacity's metric once the daemon refreshed it (every second)."""
+    capacity's metric once the daemon refreshed it (every second). Read once no shard is
+    being fetched: a prefetch still under way after a read holds disk its shard's bytes
+    will take (about a shard less)."""
     gauge = d.daemon.metrics.hot_capacity_effective_bytes
+    deadline = time.monotonic() + 10
+    while d.call(lambda: d.daemon.hot.stats().fetching) and time.monotonic() < deadline:
+        time.sleep(0.05)
     deadline = time.monotonic() + 5
     while True:
         d.call(d.daemon.hot.look_at_disk)  # the status may be a second old
