@@ -198,6 +198,9 @@ def one_run(
             "cache.dir": f"{tmp}/hot",
             "cache.capacity": str(args.capacity),
             "cache.min_free": "0",
+            # One user on a tier a few shards large: the shared-node share (0.75 of the
+            # tier) is two workers' pins at --small's size, and a third pin was refused.
+            "server.max_pinned_share_per_user": 1.0,
         }
         if endpoint is not None:
             overrides["s3.endpoint_url"] = endpoint
