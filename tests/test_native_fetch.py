@@ -435,3 +435,18 @@ async def test_cancelling_a_fetch_cancels_the_get_at_once(
         assert loop.time() - started < 0.9  # not waiting for the store's answer
         await asyncio.sleep(1.5)  # the answer has come, to a request no longer there
     assert not path.exists() or path.stat().st_size == 0
+
+
+async def test_a_kms_etag_is_not_taken_for_an_md5(
+    proxy: FaultProxy, s3_server: S3Server, bucket: str, aio_session: Any, tmp_path: Path
+) -> None:
+    # As on the botocore path: an SSE-KMS object's ETag is no MD5 on S3, so the native GET's
+    # headers (x-amz-server-side-encryption) turn the MD5 off. moto's ETag is the MD5 all
+    # the same, so a corrupted byte shows it was skipped.
+    body = payload(SMALL)
+    s3_server.put(bucket, "kms.tar", body, checksum=None, ServerSideEncryption="aws:kms")
+    async with Native(proxy.endpoint_url, aio_session) as src:
+        info = await src.head(f"s3://{bucket}/kms.tar")
+        proxy.inject("corrupt", offset=5)
+        got = await fetched(src, info, tmp_path / "kms")
+    assert len(got) == len(body) and got != body

@@ -22,8 +22,8 @@ import mmap
 import os
 import re
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from contextlib import AsyncExitStack, suppress
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import AsyncExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -318,8 +318,12 @@ class _OpenedNative(Opened):
 
 def _as_response(headers: Mapping[str, str]) -> dict[str, Any]:
     """A native GET's headers (lower-case names) as botocore's response fields that
-    :meth:`S3Source._describe` reads."""
-    response: dict[str, Any] = {"ContentLength": int(headers.get("content-length", -1))}
+    :meth:`S3Source._describe` and :func:`_etag_is_md5` read."""
+    response: dict[str, Any] = {
+        "ContentLength": int(headers.get("content-length", -1)),
+        "ServerSideEncryption": headers.get("x-amz-server-side-encryption"),
+        "SSECustomerAlgorithm": headers.get("x-amz-server-side-encryption-customer-algorithm"),
+    }
     if "etag" in headers:
         response["ETag"] = headers["etag"]
     if "last-modified" in headers:
@@ -724,14 +728,8 @@ class S3Source(OwnsStack):
                 raise _Corrupted(
                     f"{info.url}: {exc}; the bytes were corrupted in transit; fetch it again"
                 ) from exc
-            sse = {
-                "SSECustomerAlgorithm": got.headers.get(
-                    "x-amz-server-side-encryption-customer-algorithm"
-                ),
-                "ServerSideEncryption": got.headers.get("x-amz-server-side-encryption"),
-            }
             md5 = checksum is None and verify and _PLAIN_MD5.match(etag)
-            if md5 and _etag_is_md5(sse, self._aws):
+            if md5 and _etag_is_md5(_as_response(got.headers), self._aws):
                 found = await asyncio.to_thread(_md5_of_file, path)
                 if found != etag:
                     raise _md5_mismatch(info.url, etag, found)
@@ -1039,25 +1037,30 @@ class S3Source(OwnsStack):
             await asyncio.gather(*window, return_exceptions=True)
 
 
+@contextmanager
+def _mapped(path: Path) -> Iterator[memoryview]:
+    """A file's bytes, mapped read-only (blocking; an empty file is an empty view), for
+    one hashing call over all of them without the GIL."""
+    with open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size == 0:
+            yield memoryview(b"")
+            return
+        with mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
+            yield view
+
+
 def _file_matches(path: Path, checksum: str) -> bool:
     """Whether a file's bytes have the store's checksum ``"algorithm:base64"`` (blocking)."""
     running = checksums.Running(checksum)
-    with (
-        open(path, "rb") as fh,
-        mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mapped,
-        memoryview(mapped) as view,
-    ):
+    with _mapped(path) as view:
         running.update(view)
     return running.matches()
 
 
 def _md5_of_file(path: Path) -> str:
-    """The MD5 of a file, hex (blocking: one hashlib call over a mapping, without the GIL)."""
-    with open(path, "rb") as fh:
-        if os.fstat(fh.fileno()).st_size == 0:
-            return hashlib.md5(b"", usedforsecurity=False).hexdigest()
-        with mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mapped:
-            return hashlib.md5(mapped, usedforsecurity=False).hexdigest()
+    """The MD5 of a file, hex (blocking)."""
+    with _mapped(path) as view:
+        return hashlib.md5(view, usedforsecurity=False).hexdigest()
 
 
 def _s3_location(url: str) -> ShardURL:
