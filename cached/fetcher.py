@@ -550,9 +550,8 @@ class Fetcher:
                 wrote = await self.sources.fetch(
                     info, writer.write, rewind=writer.rewind, opened=opened, into=writer.path
                 )
-                if wrote:  # the source wrote the file itself (the native path)
-                    await writer.scan(info.size)
-                return await writer.publish()
+                # wrote: the source wrote the file itself (the native path)
+                return await writer.publish(info.size if wrote else None)
             except OSError as exc:
                 writer.abort()
                 if exc.errno not in _DISK_FULL or attempt == DISK_FULL_ATTEMPTS:

@@ -312,8 +312,10 @@ class NativeGet:
         """Drop a held body unread: the request ends (not awaited), and the file goes."""
         self._dropped = True
         self._go.set()
-        with suppress(OSError):
-            self.path.unlink()
+        _unlink(self.path)
+        # The CRT may create the file yet, as the request ends (it opens it for the first
+        # part it delivers): it goes again then.
+        self.finished.add_done_callback(lambda _: _unlink(self.path))
 
     async def cancel(self) -> None:
         """End the request and wait for it (bounded): no CRT thread writes the file after."""
@@ -353,6 +355,11 @@ class NativeGet:
 
 class _Dropped(Exception):
     """A held body its caller did not want (or did not decide on within HOLD_S)."""
+
+
+def _unlink(path: Path) -> None:
+    with suppress(OSError):
+        path.unlink()
 
 
 def _settle(future: asyncio.Future[Got], got: Got) -> None:

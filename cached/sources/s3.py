@@ -712,13 +712,12 @@ class S3Source(OwnsStack):
                 )
             try:
                 got = await first.finish(info.size)
-                await asyncio.to_thread(os.replace, first.path, path)
+                intact = await asyncio.to_thread(_land, first.path, path, checksum)
             except BaseException:
                 first.path.unlink(missing_ok=True)
                 raise
-            # The open's GET knew no checksum to give the CRT: the file is checked here.
-            if checksum is not None and not await asyncio.to_thread(_file_matches, path, checksum):
-                raise native.Corrupted(f"{checksum.partition(':')[0].upper()} mismatch")
+            if not intact:
+                raise native.Corrupted(f"{(checksum or '').partition(':')[0].upper()} mismatch")
             return got
 
         async def fetch() -> None:
@@ -1047,6 +1046,14 @@ def _mapped(path: Path) -> Iterator[memoryview]:
             return
         with mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
             yield view
+
+
+def _land(landing: Path, path: Path, checksum: str | None) -> bool:
+    """Move a native open's body from its landing file to ``path`` (one worker thread for
+    both steps); whether it matches ``checksum`` (``"algorithm:base64"``; None: nothing to
+    check), which the open's GET knew nothing of to give the CRT."""
+    os.replace(landing, path)
+    return checksum is None or _file_matches(path, checksum)
 
 
 def _file_matches(path: Path, checksum: str) -> bool:

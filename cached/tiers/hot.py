@@ -563,6 +563,8 @@ class HotTier:
         chosen: list[Shard] = []
         freed = 0
         self.look_at_disk()
+        if not self._short(need):
+            return chosen  # room as it is: no ranking (a sort of every resident shard)
         for shard in self._evictable():
             if not self._short(need - freed):
                 return chosen
@@ -710,15 +712,8 @@ class ShardWriter:
     @property
     def path(self) -> Path:
         """The partial file: a source that writes the bytes itself (the native fetch
-        path) writes them here, then calls :meth:`scan`."""
+        path) writes them here, then calls :meth:`publish` with ``written``."""
         return self._files.partial
-
-    async def scan(self, size: int) -> None:
-        """The source wrote ``size`` bytes into :attr:`path` itself: index and checksum
-        them in one pass over the file, off the event loop. Raises what :meth:`publish`
-        raises for a streamed shard (NotATarError for bytes that are not a tar)."""
-        self._account(size)
-        await asyncio.to_thread(self._files.scan)
 
     def _account(self, n: int) -> None:
         """``n`` more bytes are on the disk: off the tier's unwritten bytes."""
@@ -743,14 +738,27 @@ class ShardWriter:
             self.hot._unwritten += self._landed
             self._landed = 0
 
-    async def publish(self) -> Shard:
-        """Finish the index, write the sidecar, then rename the shard into place atomically."""
+    async def publish(self, written: int | None = None) -> Shard:
+        """Finish the index, write the sidecar, then rename the shard into place atomically.
+
+        ``written``: the source wrote that many bytes into :attr:`path` itself (the native
+        fetch path); they are indexed and checksummed first, in one pass over the file in
+        the same worker thread. Raises NotATarError for bytes that are not a tar.
+        """
         shard, hot = self.shard, self.hot
-        shard.checksum, shard.published = self._files.finish(), time.time()
+        files = self._files
+        published = time.time()
         mode = SHARED_FILE_MODE if hot.shared else None
-        index, sidecar_bytes = await asyncio.to_thread(
-            self._files.publish, shard.version, shard.info, shard.published, mode
-        )
+
+        def publish() -> tuple[ShardIndex, int, int]:
+            if written is not None:
+                files.scan()
+            return files.publish(shard.version, shard.info, published, mode)
+
+        if written is not None:
+            self._account(written)
+        index, shard.checksum, sidecar_bytes = await asyncio.to_thread(publish)
+        shard.published = published
         shard.index = index
         actual = index.size_bytes + sidecar_bytes
         self._settle()

@@ -14,6 +14,7 @@ import contextlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from ..errors import CacheError, NotATarError
 from ..sources.base import ObjectInfo
@@ -36,13 +37,16 @@ class ShardFiles:
         self.tar = tar
         self.idx = idx
         self.partial = tar.with_name(tar.name + ".partial")
-        self._file = open(self.partial, "wb")  # noqa: SIM115 - closed by publish/discard
+        # Opened by the first write (in a worker thread, not on the event loop). A source
+        # that writes the partial file itself (the native path) never opens it here.
+        self._file: BinaryIO | None = None
         self._indexer = TarIndexer(url)
         self._sums = StreamSums()
         self._not_a_tar: NotATarError | None = None
         # The index with the members' checksums, and the whole file's: set by finish()
         # (or by scan(), for a file the source wrote).
         self._done: tuple[ShardIndex, int] | None = None
+        self._scanned = False
 
     def write(self, run: Sequence[bytes]) -> None:
         """Append a run of chunks, indexing and hashing them in the same pass. Bytes that
@@ -59,14 +63,17 @@ class ShardFiles:
                 # raises it.
                 self._not_a_tar = exc
                 return
+            if self._file is None:
+                self._file = open(self.partial, "wb")  # noqa: SIM115 - closed by publish/discard
             self._file.write(chunk)
             # The checksums come from the very bytes written, in the same pass.
             self._sums.update(chunk, self._indexer.found)
 
     def rewind(self) -> None:
         """Start again from byte 0: the source sends the whole object again."""
-        self._file.seek(0)
-        self._file.truncate()
+        if self._file is not None:
+            self._file.seek(0)
+            self._file.truncate()
         self._indexer = TarIndexer(self.url)
         self._sums = StreamSums()
         self._not_a_tar = None
@@ -76,6 +83,7 @@ class ShardFiles:
         it and checksum it, in one pass over the file while its pages are still cached.
         Raises as :meth:`finish` does."""
         self._done = index_file(self.partial, self.url)
+        self._scanned = True
 
     def finish(self) -> int:
         """The bytes have all come: finish the tar index. Returns the checksum of the whole
@@ -94,30 +102,36 @@ class ShardFiles:
 
     def publish(
         self, version: str, info: ObjectInfo | None, published: float, mode: int | None
-    ) -> tuple[ShardIndex, int]:
-        """After :meth:`finish`: write the sidecar ``idx`` atomically, then give the data
+    ) -> tuple[ShardIndex, int, int]:
+        """:meth:`finish`, then write the sidecar ``idx`` atomically, then give the data
         file ``mode`` (None: leave it) and rename it to ``tar``, atomically. Returns the
-        index with the members' checksums, and the sidecar's size in bytes.
+        index with the members' checksums, the whole file's checksum and the sidecar's
+        size in bytes. Raises as :meth:`finish` does.
 
         Nothing is synced: a crash can leave a published shard torn, and the restart
         finds it so (a sidecar that does not parse, a data file of the wrong size, or,
         before the shard is first served, its checksum: :mod:`.checks`), drops it and
         fetches it again. An fsync per shard cost 40 % of the fill rate (D43)."""
+        whole = self.finish()
         assert self._done is not None
-        index, whole = self._done
+        index = self._done[0]
         car = Sidecar(self.url, version, index, info, whole, published)
         meta = car.to_bytes()
-        self._file.close()  # a write the disk refused (ENOSPC) raises here at the latest
+        if self._file is not None:
+            self._file.close()  # a write the disk refused (ENOSPC) raises here at the latest
+        elif not self._scanned:
+            self.partial.touch()  # an empty object: no write came
         write_atomically(self.idx, meta)
         if mode is not None:
             os.chmod(self.partial, mode)
         os.replace(self.partial, self.tar)
-        return index, len(meta)
+        return index, whole, len(meta)
 
     def discard(self) -> None:
         """Close and remove the partial file (a sidecar already written is the caller's)."""
-        with contextlib.suppress(OSError):  # a full disk can fail the flush of a close
-            self._file.close()
+        if self._file is not None:
+            with contextlib.suppress(OSError):  # a full disk can fail the flush of a close
+                self._file.close()
         self.partial.unlink(missing_ok=True)
 
 
