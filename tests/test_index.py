@@ -16,7 +16,7 @@ import webdataset as wds
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from cached.errors import CacheError, NotATarError
-from cached.tiers.index import Member, Sample, ShardIndex, TarIndexer
+from cached.tiers.index import _BASE_EXT, Member, Sample, ShardIndex, TarIndexer, base_plus_ext
 
 CHUNKS = [1, 7, 512, 513, 4096, None]  # None: the whole file in one feed
 URL = "s3://bucket/shard-000001.tar"
@@ -415,3 +415,32 @@ def test_oversized_long_name_is_refused() -> None:
     with pytest.raises(NotATarError, match="extended header") as caught:
         indexer.feed(bytes(header))
     assert URL in str(caught.value)
+
+
+def _regex_split(name: str) -> tuple[str, str] | None:
+    """webdataset's base_plus_ext as it is written: the regex alone."""
+    m = _BASE_EXT.match(name)
+    return None if m is None else (m.group(1), m.group(2).lower())
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "a.jpg", "dir/a.JPG", "a/b/c.seg.png", "a.b/c.d", "a.b/c", "a/.b", "a/b/.c",
+        ".x", ".", "a.", "a..b", "/a.b", "a//b.c", "x\n.y", "a/\nb.c", "a.b\n", "a\n/b.c",
+        "ä/ö.ÄBC", "caf\udce9.txt", "", "noext", "dir/", "a.b/",
+    ],
+)  # fmt: skip
+def test_base_plus_ext_gives_the_regex_answer_on_its_corners(name: str) -> None:
+    assert base_plus_ext(name) == _regex_split(name)
+
+
+def test_base_plus_ext_gives_the_regex_answer_on_random_names() -> None:
+    # The string methods serve every name without a newline whose base name does not
+    # start with a dot; names of these few characters reach every branch of both.
+    rng = random.Random(1234)
+    alphabet = "ab./\nA_é"
+    names = {"".join(rng.choices(alphabet, k=rng.randrange(0, 9))) for _ in range(30_000)}
+    assert len(names) > 10_000
+    for name in names:
+        assert base_plus_ext(name) == _regex_split(name), repr(name)

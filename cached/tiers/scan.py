@@ -18,6 +18,7 @@ and :class:`~.verify.StreamSums`.
 from __future__ import annotations
 
 import importlib
+import itertools
 import mmap
 import os
 from array import array
@@ -75,13 +76,16 @@ def _compiled(found: tuple[Any, ...], url: str) -> tuple[ShardIndex, int]:
     # One record of four native u64 per regular member: where its name ends in
     # ``names``, its data's offset, size and checksum.
     cols = array("Q", table)
-    grouper, start = Grouper(), 0
-    add = grouper.add
-    for end, offset, length, checksum in zip(
-        cols[0::4], cols[1::4], cols[2::4], cols[3::4], strict=True
-    ):
-        add(names[start:end].decode("utf-8", "surrogateescape"), offset, length, checksum)
-        start = end
+    ends = cols[0::4]
+    starts = itertools.chain((0,), ends)
+    # Names are mostly ASCII: one decode, then slices at the same offsets.
+    text: str | bytes = names.decode("ascii") if names.isascii() else names
+    decoded = [
+        t if isinstance(t, str) else t.decode("utf-8", "surrogateescape")
+        for t in (text[a:b] for a, b in zip(starts, ends, strict=False))  # starts: one more
+    ]
+    grouper = Grouper()
+    grouper.add_all(zip(decoded, cols[1::4], cols[2::4], cols[3::4], strict=True))
     return ShardIndex(grouper.finish(), at, ALGORITHM), whole
 
 
