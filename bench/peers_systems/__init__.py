@@ -8,6 +8,12 @@ subprocess of its own, and talks to the driver over its stdin and stdout.
 The peers' packages (mosaicml-streaming, litdata, s3torchconnector, matplotlib) are not in
 the project's own virtual environment, where mypy checks this code: the modules import them
 inside functions, through ``importlib`` (typed ``Any``).
+
+Mosaic Streaming and litdata have two rows each: one with its cache limited to the hot
+tier's size (the comparison with cached's bounded hot tier), and one with its default cache,
+as its users run it (``cache_limit=False``: the module passes no limit). The two rows of a
+module share its class and its conversion: ``bench/peers.py`` converts once per module and
+rate, and both rows read what it wrote.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ class SystemInfo:
     cls: str  # the Peer subclass in it
     converts: bool  # has a conversion of its own (prepare writes to the store)
     what: str  # one line for the docs and the JSON
+    # Given the cache limit (the hot tier's capacity); False: the system's default cache,
+    # with no limit passed (base.Spec.cache_limit). Only sys_mosaic and sys_litdata read it.
+    cache_limit: bool = True
 
 
 SYSTEMS: tuple[SystemInfo, ...] = (
@@ -67,12 +76,30 @@ SYSTEMS: tuple[SystemInfo, ...] = (
         "StreamingDataset(remote=MDS in S3, cache_limit, shuffle) in a 2-worker DataLoader",
     ),
     SystemInfo(
+        "Mosaic Streaming (default cache)",
+        "sys_mosaic",
+        "MosaicPeer",
+        True,
+        "the same with its default cache (no cache_limit: it keeps every shard it "
+        "downloads); the same MDS conversion",
+        cache_limit=False,
+    ),
+    SystemInfo(
         "litdata",
         "sys_litdata",
         "LitdataPeer",
         True,
         "litdata StreamingDataset(s3://, max_cache_size, shuffle) in its StreamingDataLoader "
         "(2 workers)",
+    ),
+    SystemInfo(
+        "litdata (default cache)",
+        "sys_litdata",
+        "LitdataPeer",
+        True,
+        "the same with its default cache (no max_cache_size: 75% of the free disk, leaving "
+        "50 GB); the same litdata.optimize conversion",
+        cache_limit=False,
     ),
     SystemInfo(
         "s3torchconnector",

@@ -41,7 +41,10 @@ class Spec:
     tar_bytes: int
     shard_bytes: int  # the largest shard
     workdir: str  # this run's (cache directories, the daemon's hot tier)
-    capacity: int = 0  # the hot tier's capacity = every peer's cache limit
+    capacity: int = 0  # the hot tier's capacity = every limited peer's cache limit
+    # Pass ``capacity`` to the system as its cache limit; False: the system's default cache
+    # (Mosaic and litdata only; the other systems are always limited or have no cache).
+    cache_limit: bool = True
     epochs: int = 2
     batch_size: int = 32
     workers: int = 2

@@ -4,6 +4,14 @@ cache_dir=<cache dir>, max_cache_size=<the cache limit>, shuffle=True)`` in its
 ``StreamingDataLoader`` with the same loop. The endpoint and credentials go in
 ``storage_options`` (boto3).
 
+Two rows: ``litdata`` passes the cache limit (the hot tier's size) as ``max_cache_size``;
+``litdata (default cache)`` (``spec.cache_limit`` False) passes none, as litdata's users
+run it. Its default (0.2.76) is 75% of the cache directory's free disk, leaving 50 GB free
+where the disk has more than that: far more than this dataset unless the disk has barely
+over 50 GB free. (``MAX_CACHE_SIZE`` in the environment would win over both; the driver
+removes it.) The cache directory is the run's in both rows, so its disk use is measured and
+the next run starts empty. Both rows read the same conversion.
+
 obstore: litdata moves chunks with obstore where it is installed (downloads in the workers,
 and the conversion's uploads), and obstore refuses an ``http://`` endpoint ("HTTP error:
 builder error") unless told ``allow_http``. litdata has no option for it, and the
@@ -13,7 +21,8 @@ client options obstore read from the environment. So this module adds ``allow_ht
 litdata's client options (``litdata.streaming.downloader._OBSTORE_CLIENT_OPTIONS``) when it
 is imported: in the runner, and in the processes litdata's conversion spawns, which import
 this module for ``shard_samples``. (A real S3 endpoint is https and needs none of this.)
-litdata's own warning that a ``max_cache_size`` under 25 GB may thrash is expected here.
+litdata's own warning that a ``max_cache_size`` under 25 GB may thrash is expected here (in
+the limited row).
 """
 
 from __future__ import annotations
@@ -124,14 +133,16 @@ class LitdataPeer(base.Peer):
 
     def open(self) -> None:
         litdata: Any = importlib.import_module("litdata")
+        # No max_cache_size at all in the default-cache row: litdata's default, not a guess.
+        limit = {"max_cache_size": self.spec.capacity} if self.spec.cache_limit else {}
         ds = litdata.StreamingDataset(
             self.remote,
             cache_dir=str(self.workdir / "litdata-cache"),
             shuffle=True,
             seed=self.spec.seed,
-            max_cache_size=self.spec.capacity,
             storage_options=storage_options(self.spec.endpoint),
             transform=to_bytes,
+            **limit,
         )
         self.loader = litdata.StreamingDataLoader(
             ds,

@@ -5,6 +5,14 @@ shuffle=True, shuffle_block_size=<a quarter of the cache limit's samples>)`` in 
 DataLoader loop. It reads S3 with boto3; the endpoint comes from
 ``S3_ENDPOINT_URL``.
 
+Two rows: ``Mosaic Streaming`` passes the cache limit (the hot tier's size) as
+``cache_limit``; ``Mosaic Streaming (default cache)`` (``spec.cache_limit`` False) passes
+none, Mosaic's default (None: it keeps every shard it downloads), as its users run it. Both
+keep ``shuffle_block_size`` computed from the cache limit (:func:`shuffle_block_size`), so
+the two rows differ in the cache limit alone; Mosaic's default block (the whole dataset
+here) would change the shuffle as well. ``local`` is the run's directory in both rows, so
+its disk use is measured and the next run starts empty. Both rows read the same conversion.
+
 torchvision: ``import streaming`` imports ``streaming.vision``, which needs two torchvision
 names at import (``datasets.VisionDataset``, ``transforms.functional.to_tensor``). The only
 torchvision wheel for torch 2.13.0 on the package registry is a CUDA build whose extension
@@ -114,16 +122,18 @@ class MosaicPeer(base.Peer):
         return time.perf_counter() - started
 
     def open(self) -> None:
-
         streaming = import_streaming()
+        # No cache_limit at all in the default-cache row: Mosaic's default (None).
+        limit = {"cache_limit": self.spec.capacity} if self.spec.cache_limit else {}
         ds = streaming.StreamingDataset(
             remote=self.remote,
             local=str(self.workdir / "mosaic-cache"),
-            cache_limit=self.spec.capacity,
             shuffle=True,
             shuffle_seed=self.spec.seed,
+            # From the cache limit in both rows: they differ in the limit alone (above).
             shuffle_block_size=shuffle_block_size(self.spec),
             batch_size=self.spec.batch_size,
+            **limit,
         )
         self.loader = base.data_loader(ds, self.spec)
 
