@@ -209,6 +209,8 @@ async def test_an_open_not_fetched_leaves_no_file_and_ends_its_request(
             await src.open(gone, tmp_path / "gone.partial")
     assert not (tmp_path / "gone.partial").exists()
     assert len(proxy.requests("GET")) == 2
+    # The 404's own GET says so: no HEAD after it (a cold tier asks next, D42).
+    assert proxy.requests("HEAD") == []
 
 
 @pytest.mark.parametrize("fault", ["cut", "corrupt"])
@@ -450,3 +452,34 @@ async def test_a_kms_etag_is_not_taken_for_an_md5(
         proxy.inject("corrupt", offset=5)
         got = await fetched(src, info, tmp_path / "kms")
     assert len(got) == len(body) and got != body
+
+
+async def test_a_closed_client_lets_go_of_its_threads_and_sockets(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """After a GET and an open dropped unread, close() frees the client: the CRT's
+    requests held it (through their callbacks, from native code the garbage collector
+    does not see), and with it its event-loop threads and connections, for the life of
+    the process (a test run of many daemons ran out of descriptors)."""
+    import gc
+    import weakref
+
+    s3_server.put(bucket, "obj.tar", payload(MID))
+
+    async def credentials() -> tuple[str, str, str | None]:
+        return ("testing", "testing", None)
+
+    client = native.NativeClient(s3cfg(s3_server.endpoint_url), s3_server.endpoint_url, credentials)
+    await client.get(bucket, "obj.tar", tmp_path / "got", size=MID, etag=None, checksum=None)
+    held = await client.open(bucket, "obj.tar", tmp_path / "held")
+    held.abort()
+    gone = weakref.ref(client)
+    client.close()
+    del client, held
+    for _ in range(100):  # the dropped request ends on a CRT thread, a moment later
+        gc.collect()
+        if gone() is None:
+            break
+        await asyncio.sleep(0.05)
+    assert gone() is None
+    assert not (tmp_path / "held").exists()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -38,8 +39,16 @@ async def _head(source: Source, url: str) -> ObjectInfo:
 
 
 def _opener(landing: Path | None) -> Callable[[Source, str], Awaitable[Opened]]:
+    """Open in each tier asked, each with a landing file of its own: a request the warm
+    tier dropped may still remove its file as it ends (native.NativeGet.abort), and must
+    not take the cold tier's with it."""
+    asked = itertools.count()
+
     async def _open(source: Source, url: str) -> Opened:
-        return await source.open(url, landing)
+        n = next(asked)
+        if landing is None or n == 0:
+            return await source.open(url, landing)
+        return await source.open(url, landing.with_name(f"{landing.stem}-{n}{landing.suffix}"))
 
     return _open
 

@@ -252,6 +252,8 @@ class NativeClient:
             on_progress=got.on_progress,
         )
         got.finished = asyncio.wrap_future(got.request.finished_future)
+        # On the CRT's thread, or here if it is over already: even with no loop left.
+        got.request.finished_future.add_done_callback(got.ended)
         return got
 
 
@@ -290,13 +292,33 @@ class NativeGet:
     def on_progress(self, progress: int) -> None:
         self._received += progress
 
+    def ended(self, _: object) -> None:
+        """The request is over: let go of it, and of the file if it was dropped. The CRT's
+        request holds these callbacks (bound to this object) from native code, where the
+        garbage collector cannot see the cycle; held, it would keep the client, its
+        threads and sockets alive after :meth:`NativeClient.close`."""
+        self.request = None
+        if self._dropped:
+            # The CRT may have created the file as the request ended (it opens it for the
+            # first part it delivers), after :meth:`abort` removed it.
+            _unlink(self.path)
+
     # -- on the event loop ---------------------------------------------------------------
 
     async def answered(self) -> Got:
         """The headers, once they came; raises what the request failed with before."""
         await asyncio.wait({self._answer, self.finished}, return_when=asyncio.FIRST_COMPLETED)
         if self._answer.done():
-            return self._answer.result()
+            if self._answer.result().status < 300:
+                return self._answer.result()
+            # An error's headers (404, 403...): the request fails with the store's error,
+            # which says what it was, as botocore's would.
+            await asyncio.wait({self.finished}, timeout=self._read_timeout_s)
+            if not self.finished.done():
+                await self.cancel()
+                raise TimeoutError(
+                    f"the GET answered {self._answer.result().status} and did not end"
+                )
         try:
             self.finished.result()
         except Exception as exc:
@@ -312,16 +334,14 @@ class NativeGet:
         """Drop a held body unread: the request ends (not awaited), and the file goes."""
         self._dropped = True
         self._go.set()
-        _unlink(self.path)
-        # The CRT may create the file yet, as the request ends (it opens it for the first
-        # part it delivers): it goes again then.
-        self.finished.add_done_callback(lambda _: _unlink(self.path))
+        _unlink(self.path)  # and again as the request ends (:meth:`ended`)
 
     async def cancel(self) -> None:
         """End the request and wait for it (bounded): no CRT thread writes the file after."""
         self._dropped = True
         self._go.set()
-        await _cancelled(self.request, self.finished)
+        if self.request is not None:
+            await _cancelled(self.request, self.finished)
 
     async def finish(self, size: int) -> Got:
         """Let a held body come, and wait for the end of the request, within its deadline
