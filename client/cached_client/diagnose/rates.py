@@ -105,7 +105,11 @@ def worker_main() -> int:
 
 def _readline(stream: IO[str], timeout_s: float) -> str:
     """One line from a child's stdout, or "" after ``timeout_s``."""
-    ready, _, _ = select.select([stream], [], [], max(0.0, timeout_s))
+    # poll, not select: select refuses a descriptor numbered 1024 or more, and a process
+    # that embeds the client may hold that many.
+    poller = select.poll()
+    poller.register(stream, select.POLLIN)
+    ready = poller.poll(max(0.0, timeout_s) * 1000)
     return stream.readline() if ready else ""
 
 
