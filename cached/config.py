@@ -169,7 +169,7 @@ class S3Config:
     verify_checksum: bool = True
     # Fetch shards with awscrt's S3 client, bytes straight from the socket to the hot
     # tier's file (cached/sources/native.py, D42); false: aiobotocore streams them.
-    native_fetch: bool = False
+    native_fetch: bool = True
     # Seconds the store's answer about an object (size, ETag) is trusted before an open
     # asks again (one HEAD); 0: at every open. A replaced object is served within this.
     revalidate_s: float = 60.0

@@ -95,9 +95,10 @@ def thread_daemon(cfg: Config) -> Iterator[ThreadDaemon]:
         yield ThreadDaemon(daemon, loop, daemon.server.bound_endpoint)
 
 
-def serve_config(directory: Path, endpoint_url: str) -> tuple[Path, str]:
+def serve_config(directory: Path, endpoint_url: str, **s3: Any) -> tuple[Path, str]:
     """A ``cached serve`` config in ``directory``: its own ipc socket and hot tier, a free
-    HTTP port, small retry delays. Returns the config's path and the socket."""
+    HTTP port, small retry delays, and ``s3``'s other ``[s3]`` settings. Returns the
+    config's path and the socket."""
     socket = f"ipc://{directory}/cached.sock"
     config = write_config(
         directory / "config.toml",
@@ -109,6 +110,7 @@ def serve_config(directory: Path, endpoint_url: str) -> tuple[Path, str]:
                 "retry_attempts": 3,
                 "retry_base_delay_s": 0.01,
                 "retry_max_delay_s": 0.05,
+                **s3,
             },
         },
     )

@@ -353,8 +353,9 @@ def test_a_replaced_object_is_served_new_after_revalidate_s(
 
 
 @pytest.mark.stores
+@pytest.mark.parametrize("native", [False, True], ids=["botocore", "native"])
 def test_an_object_replaced_mid_download_is_fetched_again_as_the_new_version(
-    s3_server: S3Server, bucket: str, tmp_path: Path, proxy: FaultProxy
+    s3_server: S3Server, bucket: str, tmp_path: Path, proxy: FaultProxy, native: bool
 ) -> None:
     (old_tar,), _ = make_shards(1, seed=1)
     (new_tar,), new = make_shards(1, seed=2)
@@ -362,14 +363,15 @@ def test_an_object_replaced_mid_download_is_fetched_again_as_the_new_version(
     cfg = daemon_config(
         tmp_path,
         proxy.endpoint_url,
-        **{"s3.part_size": "8KiB", "s3.part_concurrency": 1},
+        **{"s3.part_size": "8KiB", "s3.part_concurrency": 1, "s3.native_fetch": native},
     )
     proxy.latency_s = 0.05  # ~8 parts: the download takes a while
     with thread_daemon(cfg) as d:
         replaced = threading.Event()
 
         def replace_after_first_part() -> None:
-            wait_for(lambda: any(s.range for s in proxy.requests("GET")))
+            # A part after the first, which names the version the first part brought.
+            wait_for(lambda: any(s.if_match for s in proxy.requests("GET")))
             s3_server.put(bucket, "shard-000.tar", new_tar)
             replaced.set()
 
@@ -379,6 +381,13 @@ def test_an_object_replaced_mid_download_is_fetched_again_as_the_new_version(
         replacer.join()
         assert replaced.is_set()
         assert got == new
+        assert metric(d, "cached_fetches_total", tier="warm", result="ObjectChanged") == 1
+        if native:
+            # Every GET of the CRT is a ranged part; those after the first carry its ETag
+            # and met the 412. No HEAD either.
+            assert proxy.requests("HEAD") == []
+            assert all(s.range for s in proxy.requests("GET"))
+            return
         # The first download stopped at a 412 (its ranged GETs carry the first GET's
         # ETag); a second whole-object GET, its headers the new version's, brought that
         # version. Neither needed a HEAD.
