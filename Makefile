@@ -70,6 +70,7 @@ bench: $(STAMP)
 	$(PY) bench/bounds_rss.py
 	$(PY) bench/fetch.py
 	$(PY) bench/plan_wire.py
+	$(PY) bench/budget.py
 
 bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/serve.py --small
@@ -77,6 +78,7 @@ bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/cache_sim.py --small
 	$(PY) bench/fetch.py --small
 	$(PY) bench/plan_wire.py --small
+	$(PY) bench/budget.py --small
 	$(PY) bench/volume.py --shards 8 --samples 160 --epochs 2 --repeats 1
 	$(PY) bench/soak.py --small --compare
 	$(PY) bench/seed.py --small

@@ -228,6 +228,31 @@ def free_tcp_port() -> int:
         return port
 
 
+def s3_daemon(
+    run: Path,
+    endpoint: str,
+    capacity: str,
+    *,
+    s3: dict[str, Any] | None = None,
+    prefetch: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> DaemonProcess:
+    """A daemon (not started) in the fresh directory ``run``: its socket, config and hot
+    tier there, reading ``endpoint``; ``s3`` and ``prefetch``: more of those sections."""
+    run.mkdir(parents=True)
+    socket = f"ipc://{run}/cached.sock"
+    config = write_config(
+        run / "config.toml",
+        {
+            "server": {"socket": socket, "http": "127.0.0.1:0"},
+            "cache": {"dir": str(run / "hot"), "capacity": capacity, "min_free": 0},
+            "s3": {"endpoint_url": endpoint, **(s3 or {})},
+            "prefetch": prefetch or {},
+        },
+    )
+    return DaemonProcess(config, socket, env=env)
+
+
 def process_cpu(pid: int) -> tuple[float, float]:
     """User and system CPU seconds of process ``pid`` so far (``/proc/PID/stat``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

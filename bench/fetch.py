@@ -309,22 +309,14 @@ def run_daemon(
     from cached_client.protocol import Op
     from cached_client.transport import Connection
 
-    from cached.demo.stack import DaemonProcess, write_config
-
     run = work / "daemon"
     shutil.rmtree(run, ignore_errors=True)
-    run.mkdir()
-    socket = f"ipc://{run}/cached.sock"
-    config = write_config(
-        run / "config.toml",
-        {
-            "server": {"socket": socket, "http": "127.0.0.1:0"},
-            "cache": {"dir": str(run / "hot"), "capacity": "8GiB", "min_free": 0},
-            "s3": {"endpoint_url": endpoint, "native_fetch": native, "verify_checksum": verify},
-            "prefetch": {"concurrency": conc},
-        },
+    s3 = {"native_fetch": native, "verify_checksum": verify}
+    fresh = common.s3_daemon(
+        run, endpoint, "8GiB", s3=s3, prefetch={"concurrency": conc}, env={"PYTHONSAFEPATH": "1"}
     )
-    with DaemonProcess(config, socket, env={"PYTHONSAFEPATH": "1"}) as daemon:
+    socket = fresh.socket
+    with fresh as daemon:
         assert daemon.proc is not None
         conn = Connection(socket)
         try:

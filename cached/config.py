@@ -7,6 +7,7 @@ Validated when loaded: unknown sections and keys fail, sizes parse from human st
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -173,6 +174,10 @@ class S3Config:
     # Seconds the store's answer about an object (size, ETag) is trusted before an open
     # asks again (one HEAD); 0: at every open. A replaced object is served within this.
     revalidate_s: float = 60.0
+    # This node's share of the store's request rate (requests/s, every GET part and HEAD
+    # counted); 0: none, paced only once the store answers SlowDown. Either way a
+    # SlowDown halves the rate and successes raise it again (cached/sources/pacing.py).
+    max_requests_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -324,6 +329,11 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"{where}: [s3] addressing_style must be path, virtual or auto")
     if cfg.cache.capacity_bytes <= 0:
         raise ConfigError(f"{where}: [cache] capacity must be positive")
+    if not math.isfinite(cfg.s3.max_requests_per_s):
+        raise ConfigError(
+            f"{where}: [s3] max_requests_per_s must be a number of requests per second "
+            f"(0: no limit), not {cfg.s3.max_requests_per_s}"
+        )
     share = cfg.server.max_pinned_share_per_user
     if not 0 < share <= 1:
         raise ConfigError(

@@ -34,6 +34,7 @@ from .policy import make_policy
 from .prefetcher import Prefetcher
 from .server import Server
 from .sources.chain import TierChain
+from .sources.pacing import RequestPacer
 from .systemd import Notifier
 from .tiers.hot import HotTier, Shard
 
@@ -54,6 +55,11 @@ class Daemon:
         self.metrics.ready.set_function(lambda: 1.0 if self.serving() else 0.0)
         # At scrape time (on the event loop, where the scrape is served), not periodically.
         self.metrics.hot_unplanned_bytes.set_function(self._unplanned_bytes)
+        # Every request to the warm store takes from this one budget (D45).
+        self.pacer = RequestPacer(cfg.s3.max_requests_per_s)
+        self.metrics.store_request_rate.set_function(
+            lambda: self.pacer.rate if self.pacer.paced else 0.0
+        )
         self.started = time.time()
         self._stack = contextlib.AsyncExitStack()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -88,6 +94,7 @@ class Daemon:
                     self.cfg.s3,
                     self.cfg.cold,
                     on_retry=lambda reason: m.retries.labels(reason).inc(),
+                    pacer=self.pacer,
                 )
             )
             self.fetcher = Fetcher(
@@ -258,10 +265,24 @@ class Daemon:
             "plans": plans,
             "jobs": self.jobs.summary(Counter(str(p["job"]) for p in plans if p["job"])),
             "store": self.fetcher.store_status() if hasattr(self, "fetcher") else None,
+            "requests": self._requests_status(),
             "loop": {
                 "worst_lag_s": round(self.loop_watch.worst_s, 4),
                 "worst_lag_last_minute_s": round(self.loop_watch.recent_worst_s(), 4),
             },
+        }
+
+    def _requests_status(self) -> dict[str, Any]:
+        """The warm store's request budget: its ceiling, the rate it paces at now (None:
+        not paced), and what it has let through, seen throttled and made wait."""
+        pacer = self.pacer
+        return {
+            "max_per_s": self.cfg.s3.max_requests_per_s,
+            "rate_per_s": round(pacer.rate, 3) if pacer.paced else None,
+            "sent": pacer.requests,
+            "throttled": pacer.throttles,
+            "slowed_down": pacer.decreases,
+            "waited_s": round(pacer.waited_s, 3),
         }
 
     async def _load_hot_tier(self) -> int:

@@ -162,6 +162,12 @@ class Metrics:
             "Resident bytes of shards that no live plan names",
             registry=r,
         )
+        self.store_request_rate = Gauge(
+            "cached_store_request_rate",
+            "Requests per second the warm store's budget lets through now ([s3] "
+            "max_requests_per_s, lowered after SlowDown); 0: not paced",
+            registry=r,
+        )
         # What the trainers experience, as their processes report it (cached/jobs.py).
         self.jobs = Gauge("cached_jobs", "Jobs that reported recently", registry=r)
         self.job_wait_seconds = Counter(

@@ -21,6 +21,10 @@ A fault for one object only: ``path=`` its key, ``method=None`` (its HEADs too) 
 ``times`` (every request for it fails). :meth:`FaultProxy.refuse` takes the whole endpoint
 down (connections refused, open ones reset) until :meth:`FaultProxy.accept`.
 
+``max_requests_per_s`` makes it a store with a request limit: a token bucket of that rate,
+holding ``request_burst`` requests, lets requests through and answers the rest 503
+SlowDown (seen as fault ``"limited"``), as S3 does above its rate per prefix.
+
 ``rate_bps`` shapes the link: response bodies share that many bytes per second, in
 64 KiB chunks served first come first served (a slow remote store, like ``tc tbf``).
 ``latency_s`` delays every answer by that long (time to first byte; ``netem`` is not
@@ -36,6 +40,7 @@ import asyncio
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -94,6 +99,19 @@ class Seen:
     range: str | None
     if_match: str | None
     fault: str | None
+    at: float = 0.0  # time.monotonic() when it arrived
+
+
+@dataclass(frozen=True)
+class Load:
+    """The requests the proxy answered and refused (SlowDown, over its request limit),
+    the most it answered in any one second, and the seconds from the first answered
+    request's arrival to the last's."""
+
+    answered: int
+    refused: int
+    most_in_1s: int
+    span_s: float
 
 
 class FaultProxy:
@@ -107,6 +125,10 @@ class FaultProxy:
         self.in_flight = 0
         self.max_in_flight = 0
         self.rate_bps: float | None = None
+        self.max_requests_per_s: float | None = None
+        self.request_burst = 1.0
+        self._request_tokens: float | None = None
+        self._request_stamp = 0.0
         self.latency_s = 0.0
         self._link_free_at = 0.0
         self._lock = threading.Lock()
@@ -196,6 +218,40 @@ class FaultProxy:
         with self._lock:
             return [s for s in self.seen if method is None or s.method == method]
 
+    def limited_load(self) -> Load:
+        """What the store did under ``max_requests_per_s`` so far (:class:`Load`)."""
+        with self._lock:
+            seen = list(self.seen)
+        answered = sorted(s.at for s in seen if s.fault != "limited")
+        most, left = 0, 0
+        for right, at in enumerate(answered):
+            while at - answered[left] >= 1.0:
+                left += 1
+            most = max(most, right - left + 1)
+        span = answered[-1] - answered[0] if answered else 0.0
+        refused = sum(1 for s in seen if s.fault == "limited")
+        return Load(len(answered), refused, most, span)
+
+    def _admit(self) -> bool:
+        """Whether the request limit (``max_requests_per_s``) lets one more through now."""
+        rate = self.max_requests_per_s
+        if rate is None:
+            return True
+        with self._lock:
+            now = time.monotonic()
+            if self._request_tokens is None:
+                self._request_tokens = self.request_burst
+            else:
+                elapsed = now - self._request_stamp
+                self._request_tokens = min(
+                    self.request_burst, self._request_tokens + elapsed * rate
+                )
+            self._request_stamp = now
+            if self._request_tokens < 1.0:
+                return False
+            self._request_tokens -= 1.0
+            return True
+
     def _take(self, method: str, path: str) -> Fault | None:
         with self._lock:
             for fault in self._faults:
@@ -254,7 +310,8 @@ class FaultProxy:
         if self.refusing:
             _drop(request, hard=True)
             return web.Response(status=500)  # never sent: the connection is gone
-        fault = self._take(request.method, request.path)
+        limited = not self._admit()
+        fault = None if limited else self._take(request.method, request.path)
         with self._lock:
             self.seen.append(
                 Seen(
@@ -262,9 +319,12 @@ class FaultProxy:
                     request.path,
                     request.headers.get("Range"),
                     request.headers.get("If-Match"),
-                    fault.kind if fault else None,
+                    "limited" if limited else fault.kind if fault else None,
+                    time.monotonic(),
                 )
             )
+        if limited:
+            return _s3_error(503, "SlowDown", "Please reduce your request rate.")
         if fault is not None and fault.kind == "reset":
             _drop(request, hard=True)
             return web.Response(status=500)  # never sent: the connection is gone

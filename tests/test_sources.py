@@ -503,13 +503,16 @@ async def test_budget_exhausted_on_throttling_is_a_fetch_error(
         started = time.monotonic()
         with pytest.raises(FetchError) as caught:
             await src.fetch(info, Collect())
-    assert time.monotonic() - started < 2.0
+        # The request budget halves its rate at each SlowDown (free retries) down to
+        # its floor, 1 request/s; from there SlowDowns use up the 3 attempts.
+        assert src.pacer.rate == 1.0
+    assert time.monotonic() - started < 10.0
     assert not isinstance(caught.value, FetchTimeout)
     message = str(caught.value)
-    assert f"s3://{bucket}/obj.tar" in message and "3 attempt" in message
+    assert f"s3://{bucket}/obj.tar" in message and "attempt(s)" in message
     assert "SlowDown" in message
-    assert reasons == [THROTTLED, THROTTLED]
-    assert len(proxy.requests("GET")) == 3
+    assert len(reasons) >= 2 and set(reasons) == {THROTTLED}
+    assert len(proxy.requests("GET")) == len(reasons) + 1
 
 
 async def test_budget_exhausted_on_timeouts_is_a_fetch_timeout(

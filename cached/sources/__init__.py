@@ -18,6 +18,7 @@ from ..config import S3Config
 from ..errors import FetchError
 from .base import ObjectInfo, Opened, OwnsStack, Rewind, Sink, Source
 from .file import FileSource
+from .pacing import RequestPacer
 from .retry import OnRetry
 from .s3 import S3Source
 
@@ -33,7 +34,8 @@ class Sources(OwnsStack):
     ``async with Sources(cfg.s3, on_retry=...) as sources:``. The S3 client is created
     on the first ``s3://`` URL, so a daemon that only reads ``file://`` shards never
     walks the AWS credential chain (whose instance-metadata probe can take seconds off
-    EC2). All S3 URLs share that one client and its connection pool. ``session`` is
+    EC2). All S3 URLs share that one client, its connection pool and ``pacer``, the
+    request budget (:mod:`.pacing`; None: one of ``[s3] max_requests_per_s``). ``session`` is
     passed to :class:`S3Source`; without one, a session is made at the start, in a
     thread, and reads S3's service model and endpoint rules there (botocore's JSON: about
     0.1 s of CPU), so that the first ``s3://`` URL does not spend them on the event loop
@@ -42,11 +44,17 @@ class Sources(OwnsStack):
     """
 
     def __init__(
-        self, s3: S3Config | None = None, on_retry: OnRetry | None = None, *, session: Any = None
+        self,
+        s3: S3Config | None = None,
+        on_retry: OnRetry | None = None,
+        *,
+        session: Any = None,
+        pacer: RequestPacer | None = None,
     ) -> None:
         self._s3_cfg = s3 if s3 is not None else S3Config()
         self._on_retry = on_retry
         self._session = session
+        self._pacer = pacer
         self._stack: AsyncExitStack | None = None
         self._by_scheme: dict[str, Source] = {}
         self._lock = asyncio.Lock()
@@ -77,7 +85,12 @@ class Sources(OwnsStack):
             if self._stack is None:
                 raise RuntimeError("Sources is not open: use `async with Sources(cfg)`")
             if scheme not in self._by_scheme and scheme == "s3":
-                s3 = S3Source(self._s3_cfg, self._on_retry, session=await self._s3_session())
+                s3 = S3Source(
+                    self._s3_cfg,
+                    self._on_retry,
+                    session=await self._s3_session(),
+                    pacer=self._pacer,
+                )
                 self._by_scheme["s3"] = await self._stack.enter_async_context(s3)
             return self._by_scheme[scheme]
 

@@ -23,6 +23,7 @@ from ..config import ColdConfig, S3Config
 from ..errors import FetchError, ObjectArchived, ObjectNotFound
 from . import Sources
 from .base import ObjectInfo, Opened, OwnsStack, Rewind, Sink, Source
+from .pacing import RequestPacer
 from .retry import OnRetry
 from .s3 import S3Source
 
@@ -67,6 +68,9 @@ class TierChain(OwnsStack):
     Only a miss falls through to the cold tier: access denied, timeouts and other
     failures of the warm tier propagate, so that an outage is seen as one rather than
     turning silently into (slower, possibly billed) archive reads.
+
+    ``pacer``: the warm endpoint's request budget (:mod:`.pacing`); a cold tier on an
+    endpoint of its own paces itself at the same ``[s3] max_requests_per_s``.
     """
 
     def __init__(
@@ -76,12 +80,13 @@ class TierChain(OwnsStack):
         on_retry: OnRetry | None = None,
         *,
         session: Any = None,
+        pacer: RequestPacer | None = None,
     ) -> None:
         self._s3_cfg = s3 if s3 is not None else S3Config()
         self._cold_cfg = cold if cold is not None else ColdConfig()
         self._on_retry = on_retry
         self._session = session
-        self._warm = Sources(self._s3_cfg, on_retry, session=session)
+        self._warm = Sources(self._s3_cfg, on_retry, session=session, pacer=pacer)
         self._stack: AsyncExitStack | None = None
         self._cold_s3: S3Source | None = None
         self._lock = asyncio.Lock()

@@ -147,7 +147,7 @@ class NativeClient:
         elg = crtio.EventLoopGroup(num_threads=min(os.cpu_count() or 1, 4))
         bootstrap = crtio.ClientBootstrap(elg, crtio.DefaultHostResolver(elg))
         secure = parts.scheme == "https"
-        part_size = min(cfg.part_size_bytes, CRT_PART_BYTES)
+        part_size = self.part_size = min(cfg.part_size_bytes, CRT_PART_BYTES)
         modes = crts3.S3RequestTlsMode
         provider = auth.AwsCredentialsProvider.new_delegate(self._signing_credentials)
         self._client = crts3.S3Client(
@@ -164,6 +164,11 @@ class NativeClient:
             retry_config=crts3.S3RetryConfig(retry_mode=crts3.S3RetryMode.NONE),
             connect_timeout_ms=max(1, round(cfg.connect_timeout_s * 1000)),
         )
+
+    def requests_for(self, size: int) -> int:
+        """How many requests a GET of ``size`` bytes sends: one per part, the CRT's
+        first (ranged) part included."""
+        return max(1, -(-size // self.part_size))
 
     def close(self) -> None:
         """Drop the client; the CRT shuts its threads down once its requests end."""

@@ -21,6 +21,7 @@ from botocore import exceptions as boto_exc
 
 from ..config import S3Config
 from ..errors import CachedError, FetchError, FetchTimeout
+from .pacing import RequestPacer
 
 T = TypeVar("T")
 
@@ -47,6 +48,9 @@ _THROTTLE_CODES: Final = frozenset(
 )
 # 400 RequestTimeout: the server gave up waiting on the connection; a new request is fine.
 _TIMEOUT_CODES: Final = frozenset({"RequestTimeout", "RequestTimeoutException"})
+
+# With a pacer, a request may be throttled this many times its attempts before it fails.
+_THROTTLED_TRIES: Final = 4
 
 OnRetry = Callable[[str], None]
 Classifier = Callable[[BaseException], str | None]
@@ -180,6 +184,8 @@ async def retrying(
     on_retry: OnRetry | None = None,
     classify: Classifier = transient_reason,
     rng: random.Random | None = None,
+    pacer: RequestPacer | None = None,
+    cost: Callable[[], int] | None = None,
 ) -> T:
     """Await ``op()`` until it succeeds, retrying what ``classify`` calls transient.
 
@@ -190,25 +196,46 @@ async def retrying(
     (a :class:`FetchError`); the message names ``what`` (say, the
     request and its URL), the number of attempts and the last error, which is chained.
     ``on_retry(reason)`` is called before each wait. Cancellation is never retried.
+
+    ``pacer``: the endpoint's request budget. Each attempt first takes ``cost()``
+    requests from it (1 without ``cost``: the requests ``op`` will send), and reports its
+    answer to it. A throttled attempt does not count against ``policy.attempts`` while
+    the pacer can still slow down (:meth:`RequestPacer.throttled`): SlowDown is the store
+    asking for a lower rate, which the budget then sends at, not a failure of the request.
+    Even so a request has at most ``_THROTTLED_TRIES`` times its attempts in all: a store
+    that throttles one key whatever the rate does not hold it forever.
     """
     last: Exception | None = None
     reason: str | None = None
-    for attempt in range(1, policy.attempts + 1):
+    attempt = tries = 0
+    while attempt < policy.attempts:
+        attempt += 1
+        n = 1 if cost is None else cost()
+        sent_at = await pacer.acquire(n) if pacer is not None else 0.0
         try:
-            return await op()
+            result = await op()
         except Exception as exc:
             reason = classify(exc)
             if reason is None:
                 raise
             last = exc
-            if attempt == policy.attempts:
+            tries += 1
+            free = pacer is not None and reason == THROTTLED and pacer.throttled(sent_at)
+            if tries >= policy.attempts * _THROTTLED_TRIES or (
+                attempt == policy.attempts and not free
+            ):
                 break
+            if free:
+                attempt -= 1  # the budget slowed down instead
             if on_retry is not None:
                 on_retry(reason)
-            await asyncio.sleep(policy.backoff_s(attempt, rng))
+            await asyncio.sleep(policy.backoff_s(max(attempt, 1), rng))
+            continue
+        if pacer is not None:
+            pacer.succeeded(n)
+        return result
     assert last is not None and reason is not None  # the loop ran at least once
-    tries = f"{policy.attempts} attempt(s)"
-    message = f"{what}: gave up after {tries}; last error: {_describe(last)}. "
+    message = f"{what}: gave up after {tries} attempt(s); last error: {_describe(last)}. "
     error: StoreUnavailable
     if reason == TIMEOUT:
         error = StoreTimeout(

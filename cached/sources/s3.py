@@ -37,6 +37,7 @@ from ..config import S3Config
 from ..errors import CachedError, FetchError, ObjectArchived, ObjectNotFound, VerifyError
 from . import checksums, native
 from .base import ObjectChanged, ObjectInfo, Opened, OwnsStack, Rewind, Sink
+from .pacing import RequestPacer
 from .retry import CORRUPT, OnRetry, RetryPolicy, retrying
 
 T = TypeVar("T")
@@ -337,6 +338,12 @@ def _as_response(headers: Mapping[str, str]) -> dict[str, Any]:
     return response
 
 
+def _unsent(opened: Opened | None) -> Callable[[], int]:
+    """The requests an attempt sends that reads ``opened``'s body while it has one: none
+    (the open's GET, already paid for, answers it), else one."""
+    return lambda: 0 if opened is not None and opened.unread else 1
+
+
 class _OpenedGet(Opened):
     """A GET of a whole object whose headers have arrived (see :meth:`S3Source.open`)."""
 
@@ -396,18 +403,26 @@ class S3Source(OwnsStack):
     one connection pool (``max_pool_connections``) for the whole daemon. Credentials come
     from the standard AWS chain. ``on_retry(reason)`` is called for every retry with one
     of :data:`~cached.sources.retry.RETRY_REASONS`, for the daemon's metrics.
+    ``pacer`` is the request budget every request to the endpoint takes from (see
+    :mod:`.pacing`); None makes one of ``[s3] max_requests_per_s``.
     ``session`` is the ``AioSession`` to create the client from; None makes a fresh one.
     Passing one in lets many short-lived sources (tests) share botocore's parsed service
     models, which otherwise cost about 0.1 s per client.
     """
 
     def __init__(
-        self, cfg: S3Config, on_retry: OnRetry | None = None, *, session: Any = None
+        self,
+        cfg: S3Config,
+        on_retry: OnRetry | None = None,
+        *,
+        session: Any = None,
+        pacer: RequestPacer | None = None,
     ) -> None:
         if cfg.part_size_bytes <= 0 or cfg.part_concurrency <= 0:
             raise ValueError("part_size_bytes and part_concurrency must be positive")
         self._cfg = cfg
         self._policy = RetryPolicy.from_s3_config(cfg)
+        self.pacer = pacer if pacer is not None else RequestPacer(cfg.max_requests_per_s)
         self._on_retry = on_retry
         self._session = session
         self._stack: AsyncExitStack | None = None
@@ -493,10 +508,24 @@ class S3Source(OwnsStack):
             raise RuntimeError("S3Source is not open: use `async with S3Source(cfg) as src`")
         return self._client
 
-    async def _call(self, what: str, url: str, op: Callable[[], Awaitable[T]]) -> T:
-        """One request under the retry budget, permanent errors translated."""
+    async def _call(
+        self,
+        what: str,
+        url: str,
+        op: Callable[[], Awaitable[T]],
+        cost: Callable[[], int] | None = None,
+    ) -> T:
+        """One request under the retry budget and the request budget, permanent errors
+        translated. ``cost()``: the requests the next attempt sends (1 without it)."""
         try:
-            return await retrying(op, policy=self._policy, what=what, on_retry=self._on_retry)
+            return await retrying(
+                op,
+                policy=self._policy,
+                what=what,
+                on_retry=self._on_retry,
+                pacer=self.pacer,
+                cost=cost,
+            )
         except _SinkFailed as failed:
             # The sink's own error, as it raised it: not ours to retry or rename.
             raise failed.error from failed.error.__cause__
@@ -720,9 +749,13 @@ class S3Source(OwnsStack):
                 raise native.Corrupted(f"{(checksum or '').partition(':')[0].upper()} mismatch")
             return got
 
+        def parts() -> int:
+            # The open's GET sent (and paid for) the first part of the held one.
+            return client.requests_for(info.size) - (held is not None)
+
         async def fetch() -> None:
             try:
-                got = await self._call(f"GET {info.url}", info.url, get)
+                got = await self._call(f"GET {info.url}", info.url, get, parts)
             except native.Corrupted as exc:
                 raise _Corrupted(
                     f"{info.url}: {exc}; the bytes were corrupted in transit; fetch it again"
@@ -972,7 +1005,7 @@ class S3Source(OwnsStack):
                     if not data:
                         return
 
-        await self._call(f"GET {info.url}", info.url, attempt)
+        await self._call(f"GET {info.url}", info.url, attempt, _unsent(opened))
 
     async def _get_part(
         self,
@@ -1003,7 +1036,9 @@ class S3Source(OwnsStack):
                 )
             return data
 
-        return await self._call(f"GET {info.url} bytes={first}-{last}", info.url, attempt)
+        return await self._call(
+            f"GET {info.url} bytes={first}-{last}", info.url, attempt, _unsent(opened)
+        )
 
     async def _fetch_parts(
         self, info: ObjectInfo, sink: Sink, verifier: _Verifier, opened: Opened | None
