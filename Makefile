@@ -71,6 +71,7 @@ bench: $(STAMP)
 	$(PY) bench/fetch.py
 	$(PY) bench/plan_wire.py
 	$(PY) bench/budget.py
+	$(PEERS_PY) bench/shuffle_quality.py
 
 bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/serve.py --small
@@ -83,6 +84,7 @@ bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/soak.py --small --compare
 	$(PY) bench/seed.py --small
 	$(PEERS_PY) bench/peers.py --small
+	$(PEERS_PY) bench/shuffle_quality.py --small
 
 # The peers side by side (docs/benchmarks.md, "Peers side by side"): webdataset, Mosaic
 # Streaming, litdata, s3torchconnector and cached on one shaped S3 link, at 40 and 400 MB/s,
