@@ -72,6 +72,7 @@ bench: $(STAMP)
 	$(PY) bench/plan_wire.py
 	$(PY) bench/budget.py
 	$(PY) bench/cluster_sim.py
+	$(PY) bench/cluster_egress.py
 	$(PEERS_PY) bench/shuffle_quality.py
 
 bench-small: $(STAMP) $(PEERS_STAMP)
@@ -82,6 +83,7 @@ bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/plan_wire.py --small
 	$(PY) bench/budget.py --small
 	$(PY) bench/cluster_sim.py --small
+	$(PY) bench/cluster_egress.py --small
 	$(PY) bench/volume.py --shards 8 --samples 160 --epochs 2 --repeats 1
 	$(PY) bench/soak.py --small --compare
 	$(PY) bench/seed.py --small

@@ -235,16 +235,18 @@ def s3_daemon(
     *,
     s3: dict[str, Any] | None = None,
     prefetch: dict[str, Any] | None = None,
+    server: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
 ) -> DaemonProcess:
     """A daemon (not started) in the fresh directory ``run``: its socket, config and hot
-    tier there, reading ``endpoint``; ``s3`` and ``prefetch``: more of those sections."""
+    tier there, reading ``endpoint``; ``s3``, ``prefetch``, ``server``: more of those
+    sections."""
     run.mkdir(parents=True)
     socket = f"ipc://{run}/cached.sock"
     config = write_config(
         run / "config.toml",
         {
-            "server": {"socket": socket, "http": "127.0.0.1:0"},
+            "server": {"socket": socket, "http": "127.0.0.1:0", **(server or {})},
             "cache": {"dir": str(run / "hot"), "capacity": capacity, "min_free": 0},
             "s3": {"endpoint_url": endpoint, **(s3 or {})},
             "prefetch": prefetch or {},
