@@ -21,8 +21,9 @@ depend on the scale; the first epochs' figures say how close).
 
 **Cold start.** Every node fetches its share of the first epoch at once. A node fills at
 the least of its NIC, its share of the store's bandwidth, and its share of the request
-limit times the bytes per request (a shard of S is ``ceil(S / --part-mb)`` GETs: 8 MiB
-parts on the native path, D45's ``[s3] max_requests_per_s`` = limit / N). The first batch of every
+limit times the bytes per request (a shard of S is ``ceil(S / --part-mb)`` GETs: ``[s3]
+part_size``, 16 MiB by default, which the native path takes when the store's requests are
+budgeted, D45's ``[s3] max_requests_per_s`` = limit / N). The first batch of every
 reader needs its first shard (the shuffle buffer starts once it is in): ranks x workers
 shards per node at once.
 
@@ -66,7 +67,7 @@ class Cluster:
     nic: float
     store_bw: float
     store_rps: float
-    part: float = 8 * MIB  # bytes per GET: the native path's part (cached/sources/native.py)
+    part: float = 16 * MIB  # bytes per GET: [s3] part_size (the native path's, with a budget)
 
     @property
     def shards(self) -> int:
@@ -186,7 +187,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nic-gbps", type=float, default=100.0, help="each node's, in Gbit/s")
     p.add_argument("--store-gbps", type=float, default=4000.0, help="the store's, in all")
     p.add_argument("--store-rps", type=float, default=5500.0, help="requests/s, in all")
-    p.add_argument("--part-mb", type=float, default=8.0, help="bytes per GET, in MiB")
+    p.add_argument(
+        "--part-mb", type=float, default=16.0, help="bytes per GET, in MiB: [s3] part_size"
+    )
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--sim-shards", type=int, default=20_000, help="most shards replayed")
     p.add_argument("--seed", type=int, default=0)

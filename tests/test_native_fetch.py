@@ -289,6 +289,31 @@ async def test_a_transient_failure_is_retried_whole_and_counted(
     assert all(g.if_match == f'"{info.etag}"' for g in gets)
 
 
+@pytest.mark.parametrize(("budget", "gets"), [(0.0, 2), (1000.0, 1)], ids=["open", "budget"])
+async def test_a_request_budget_takes_parts_of_part_size_above_the_crts_own(
+    *,
+    proxy: FaultProxy,
+    s3_server: S3Server,
+    bucket: str,
+    aio_session: Any,
+    tmp_path: Path,
+    budget: float,
+    gets: int,
+) -> None:
+    # 12 MiB with [s3] part_size 16 MiB: the CRT's 8 MiB cap makes it two GETs; with the
+    # store's requests budgeted, requests are what is scarce, and it is one.
+    body = payload(12 << 20)
+    s3_server.put(bucket, "big.tar", body)
+    client = Native(
+        proxy.endpoint_url, aio_session, part_size_bytes=16 << 20, max_requests_per_s=budget
+    )
+    async with client as src:
+        info = await src.head(f"s3://{bucket}/big.tar")
+        assert await fetched(src, info, tmp_path / "big") == body
+        assert src.pacer.requests == 1 + gets  # the HEAD, and each GET
+    assert len(proxy.requests("GET")) == gets
+
+
 async def test_throttling_past_the_budget_fails_the_fetch(
     proxy: FaultProxy, s3_server: S3Server, bucket: str, aio_session: Any, tmp_path: Path
 ) -> None:

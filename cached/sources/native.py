@@ -116,6 +116,16 @@ def unsupported(cfg: S3Config, endpoint_url: str) -> str | None:
     return None
 
 
+def part_size_for(cfg: S3Config) -> int:
+    """The part size the CRT is given: ``[s3] part_size``, capped at ``CRT_PART_BYTES``
+    (the CRT's CPU, above) unless the store's requests are budgeted (``[s3]
+    max_requests_per_s``): there each GET takes a share of the store's request limit,
+    so fewer, larger parts fill faster (D45; ``bench/cluster_sim.py --part-mb``)."""
+    if cfg.max_requests_per_s:
+        return cfg.part_size_bytes
+    return min(cfg.part_size_bytes, CRT_PART_BYTES)
+
+
 @dataclass(frozen=True)
 class Got:
     """What a finished GET answered: its status and headers (lower-case names)."""
@@ -147,7 +157,7 @@ class NativeClient:
         elg = crtio.EventLoopGroup(num_threads=min(os.cpu_count() or 1, 4))
         bootstrap = crtio.ClientBootstrap(elg, crtio.DefaultHostResolver(elg))
         secure = parts.scheme == "https"
-        part_size = self.part_size = min(cfg.part_size_bytes, CRT_PART_BYTES)
+        part_size = self.part_size = part_size_for(cfg)
         modes = crts3.S3RequestTlsMode
         provider = auth.AwsCredentialsProvider.new_delegate(self._signing_credentials)
         self._client = crts3.S3Client(
