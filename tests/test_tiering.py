@@ -40,6 +40,7 @@ from tests.daemon import (
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server
 from tests.test_daemon import DirWatcher, upload
+from tests.test_integrity import wait_for
 
 
 def keys(ds: CachedDataset) -> list[str]:
@@ -245,7 +246,12 @@ def test_prefetches_wait_until_the_readers_first_shard_is_in(
             got: list[str] = []
             reader = threading.Thread(target=lambda: got.append(next(it)["__key__"]))
             reader.start()
-            time.sleep(1.0)
+            # While the first shard's GET is held (1 s from its arrival), half-way through:
+            # from the reader's start that is a client and an S3 client starting, which a
+            # loaded machine has taken over a second for.
+            first = "/shard-0000.tar"
+            wait_for(lambda: any(r.path.endswith(first) for r in link.requests("GET")))
+            time.sleep(0.5)
             during = [r.path for r in link.requests("GET")]
             reader.join(10)
             # The first shard is in: now the prefetcher brings the others, while the
