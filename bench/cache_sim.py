@@ -480,6 +480,17 @@ def _min_replay(
     return missed, evictions, max_used
 
 
+def misses_by_epoch(
+    epochs: Sequence[Sequence[tuple[Hashable, int]]],
+    capacity: int,
+    replay: Callable[[Sequence[tuple[Hashable, int]], int], list[bool]] = min_misses,
+) -> list[list[tuple[Hashable, int]]]:
+    """The ``(key, size)`` reads of each epoch that miss when the epochs are replayed one
+    after the other with ``capacity`` bytes, by ``replay`` (Belady's MIN by default)."""
+    missed = iter(replay([read for epoch in epochs for read in epoch], capacity))
+    return [[read for read in epoch if next(missed)] for epoch in epochs]
+
+
 def offline_min(sequence: Sequence[tuple[Hashable, int]], capacity: int) -> int:
     """Bytes fetched by Belady's MIN over ``(key, size)`` accesses with ``capacity`` bytes:
     the optimum for equal sizes, a heuristic bound for varied ones (see :func:`min_misses`)."""

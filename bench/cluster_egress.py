@@ -166,14 +166,13 @@ def min_per_epoch(placement: str, sizes: list[int], nodes: int, tier: int, job: 
     """The sum over nodes of Belady's MIN for each node's own reads, per epoch."""
     from cached_client import placement as plans
 
-    from bench.cache_sim import min_misses
+    from bench.cache_sim import misses_by_epoch
 
     local, shards = job.local, len(sizes)
     world = nodes * local
     out = [0.0] * job.epochs
     for node in range(nodes):
-        sequence: list[tuple[int, int]] = []
-        bounds = []
+        epochs: list[list[tuple[int, int]]] = []
         for epoch in range(job.epochs):
             readers = [
                 [
@@ -189,14 +188,10 @@ def min_per_epoch(placement: str, sizes: list[int], nodes: int, tier: int, job: 
                 for rank in range(node * local, (node + 1) * local)
             ]
             # The node's readers ask in turn: their plans dealt round-robin.
-            for i in range(max(map(len, readers), default=0)):
-                sequence.extend((r[i], sizes[r[i]]) for r in readers if i < len(r))
-            bounds.append(len(sequence))
-        missed = min_misses(sequence, tier)
-        start = 0
-        for epoch, end in enumerate(bounds):
-            out[epoch] += sum(sequence[i][1] for i in range(start, end) if missed[i])
-            start = end
+            rounds = range(max(map(len, readers), default=0))
+            epochs.append([(r[i], sizes[r[i]]) for i in rounds for r in readers if i < len(r)])
+        for epoch, misses in enumerate(misses_by_epoch(epochs, tier)):
+            out[epoch] += sum(size for _, size in misses)
     return out
 
 

@@ -39,6 +39,7 @@ import collections
 import math
 import random
 import sys
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common
-from bench.cache_sim import min_misses
+from bench.cache_sim import min_misses, misses_by_epoch
 
 MIB = 1 << 20
 TB = 10**12
@@ -105,20 +106,22 @@ def epoch_reads(
     return out
 
 
-def lru_misses(sequence: list[int], capacity: int) -> list[bool]:
-    """Which reads miss under least-recently-used eviction with ``capacity`` shards
-    (Mosaic Streaming's cache limit evicts so)."""
-    held: collections.OrderedDict[int, None] = collections.OrderedDict()
+def lru_misses(sequence: Sequence[tuple[Hashable, int]], capacity: int) -> list[bool]:
+    """Which ``(key, size)`` reads miss under least-recently-used eviction with
+    ``capacity`` bytes (Mosaic Streaming's cache limit evicts so)."""
+    held: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
+    used = 0
     missed = []
-    for shard in sequence:
-        if shard in held:
-            held.move_to_end(shard)
+    for key, size in sequence:
+        if key in held:
+            held.move_to_end(key)
             missed.append(False)
             continue
         missed.append(True)
-        held[shard] = None
-        if len(held) > capacity:
-            held.popitem(last=False)
+        held[key] = size
+        used += size
+        while used > capacity:
+            used -= held.popitem(last=False)[1]
     return missed
 
 
@@ -129,19 +132,10 @@ def egress(c: Cluster, placement: str, epochs: int, sim_shards: int, seed: int) 
     n = max(c.nodes, round(c.shards * scale))
     tier = max(1, int(c.tier / c.shard * scale))
     reads = epoch_reads(placement, n, c.nodes, epochs, random.Random(seed))
-    flat = [s for epoch in reads for s in epoch]
-    missed = lru_misses(flat, tier) if placement == "mosaic" else _min_missed(flat, tier)
-    out, pos = [], 0
-    for epoch in reads:
-        fetched = sum(missed[pos : pos + len(epoch)])
-        pos += len(epoch)
-        out.append(fetched * c.nodes / n)
-    return out
-
-
-def _min_missed(sequence: list[int], tier: int) -> list[bool]:
-    """Belady's MIN, through cache_sim's one copy of it (equal sizes: the optimum)."""
-    return min_misses([(s, 1) for s in sequence], tier)
+    # Shards of one size: a tier of ``tier`` shards; MIN (cache_sim's) is the optimum.
+    unit = [[(s, 1) for s in epoch] for epoch in reads]
+    replay = {"mosaic": lru_misses}.get(placement, min_misses)
+    return [len(m) * c.nodes / n for m in misses_by_epoch(unit, tier, replay)]
 
 
 @dataclass

@@ -56,7 +56,7 @@ from cached_client import CachedDataset
 from torch.utils.data import DataLoader
 
 from bench import common, stores
-from bench.cache_sim import min_misses
+from bench.cache_sim import misses_by_epoch
 from cached.config import load
 from cached.daemon import Daemon
 from cached.demo.stack import daemon_in_thread
@@ -168,21 +168,17 @@ def min_per_epoch(
     its choices with the room each shard takes in the hot tier, its bytes counted as the
     daemon's fetch log counts them (the shard's own size), like ``for_epoch``."""
     fetched = {url: size for _, kind, url, size in events if kind == "fetch"}
-    sequence: list[tuple[str, int]] = []
-    epochs: list[int] = []
-    for epoch, (start, end) in enumerate(windows):
-        seen: set[str] = set()
+    epochs: list[list[tuple[str, int]]] = []
+    for start, end in windows:
+        reads: dict[str, int] = {}
         for t, kind, url, size in events:
-            if kind == "read" and start <= t <= end and url not in seen:
-                seen.add(url)
-                sequence.append((url, size))
-                epochs.append(epoch)
-    out = [0] * len(windows)
-    missed = min_misses(sequence, capacity)
-    for (url, size), miss, epoch in zip(sequence, missed, epochs, strict=True):
-        if miss:
-            out[epoch] += fetched.get(url, size)
-    return out
+            if kind == "read" and start <= t <= end:
+                reads.setdefault(url, size)
+        epochs.append(list(reads.items()))
+    return [
+        sum(fetched.get(str(url), size) for url, size in misses)
+        for misses in misses_by_epoch(epochs, capacity)
+    ]
 
 
 def one_run(

@@ -70,7 +70,8 @@ class RequestPacer:
         self.ceiling = ceiling
         self._clock = clock
         self._turn = asyncio.Lock()
-        self._sent_at: collections.deque[float] = collections.deque()
+        # While open: (when, how many) of the last second's requests.
+        self._sent_at: collections.deque[tuple[float, int]] = collections.deque()
         self._stamp = clock()
         # A random start: nodes started together spread their first requests.
         self._tokens = (rng or random).random()
@@ -99,7 +100,7 @@ class RequestPacer:
             started = self._clock()
             while True:
                 now = self._refill()
-                if self._tokens >= 1.0 or not self.paced:
+                if self._tokens >= 1.0:
                     break
                 await asyncio.sleep((1.0 - self._tokens) / self.rate)
             self.waited_s += now - started
@@ -118,8 +119,8 @@ class RequestPacer:
         self.requests += n
         if not self.paced:
             # Kept only while open: the rate to halve at the first SlowDown.
-            self._sent_at.extend([now] * min(n, 1024))
-            while self._sent_at and self._sent_at[0] < now - _WINDOW_S:
+            self._sent_at.append((now, n))
+            while self._sent_at[0][0] < now - _WINDOW_S:
                 self._sent_at.popleft()
         return now
 
@@ -140,11 +141,11 @@ class RequestPacer:
         if sent_at < self._last_decrease:
             return True  # that round's decrease covers it
         if not self.paced:
-            recent = [t for t in self._sent_at if t >= now - _WINDOW_S]
+            recent = [(t, n) for t, n in self._sent_at if t >= now - _WINDOW_S]
             self._sent_at.clear()
             # Over the time it took to send them: a cold start's burst is a high rate.
-            span = max(_MIN_SPAN_S, now - recent[0]) if recent else _WINDOW_S
-            self.rate = max(_OPEN_FLOOR, len(recent) / span)
+            span = max(_MIN_SPAN_S, now - recent[0][0]) if recent else _WINDOW_S
+            self.rate = max(_OPEN_FLOOR, sum(n for _, n in recent) / span)
             self._floor = _OPEN_FLOOR
             self._step = self.rate * _STEP_SHARE
         at_floor = self.rate <= self._floor
