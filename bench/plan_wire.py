@@ -1,22 +1,32 @@
-"""Plans on the wire (issue 24, item 5): what the ``plan`` requests of one node cost today.
+"""Plans on the wire (issue 24, item 5): what the ``plan`` requests of one node cost, as
+URLs and as positions in a dataset told once, side by side.
 
 At the start of every epoch each reader (a DataLoader worker of ``CachedDataset``) tells
-the daemon its plan: the URLs of the rest of this epoch's shards, then those of the next
-epoch's, in one JSON header (``cached_client.reader.announce``). This script computes the
-plans of one node's readers with the client's own placement code (``placement.plan``,
-``resume.resume_spans``, as ``CachedDataset`` does for a fresh pass), sends them with
-``announce`` to a real ``cached serve`` (prefetch off, so its store is never contacted),
-one connection per reader, and measures:
+the daemon its plan: the rest of this epoch's shards, then the next epoch's
+(``cached_client.reader.announce``). It sends them in one of two forms:
+
+- ``urls``: the URLs themselves, in the JSON header (what a client sends a daemon without
+  the ``datasets`` feature, and what every client sent before it);
+- ``compact``: each plan as base64 positions in the dataset's URL list, which goes to the
+  daemon (a ``dataset`` request) only when it does not hold it yet (docs/protocol.md,
+  "Datasets").
+
+This script computes the plans of one node's readers with the client's own placement code
+(``placement.plan``, ``resume.resume_spans``, as ``CachedDataset`` does for a fresh pass),
+sends them with ``announce`` to a real ``cached serve`` (prefetch off, so its store is
+never contacted), one connection per reader, in each form, and measures:
 
 - the wire: the header frames of every plan request of the node per epoch, captured as the
-  client's transport encodes them, per plan, per URL and per shard of the dataset;
+  client's transport encodes them, per plan, per URL and per shard of the dataset, and
+  the dataset's frames (once per node: the readers announce one after another here;
+  readers that start at the same instant may each send it once);
 - the daemon's CPU: the ``cached serve`` process's CPU over the node's announces, and,
   in this process, the steps the server runs per plan (decode; ``[server] allow`` check;
-  URL checks and position index; install in the planner), for a first install (epoch 0)
-  and for the next epoch's plans, which replace them under the same keys;
-- the daemon's memory: tracemalloc around installing all of the node's plans in a
-  ``cached.planner.Planner``, per plan and per URL, with the ``cached serve`` RSS growth
-  beside it.
+  URL checks, or positions resolved; position index; install in the planner), for a first
+  install (epoch 0) and for the next epoch's plans, which replace them under the same keys;
+- the daemon's memory: tracemalloc around holding the dataset once and installing all of
+  the node's plans in a ``cached.planner.Planner``, per plan and per URL, with the
+  ``cached serve`` RSS growth beside it.
 
     python bench/plan_wire.py            # 100,000 shards, 1 rank x 8 workers
     python bench/plan_wire.py --small    # 10,000 shards, a smoke run for CI
@@ -28,6 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import math
 import statistics
 import sys
 import tempfile
@@ -35,6 +46,7 @@ import time
 import tracemalloc
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -43,8 +55,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cached_client import jobs, placement, resume, transport
+from cached_client.catalog import Catalog
 from cached_client.partition import Part
-from cached_client.protocol import Header, Op, decode, encode, encode_value
+from cached_client.protocol import Header, Op, decode, encode
 from cached_client.reader import announce
 from cached_client.transport import Connection
 from cached_client.urls import check_all
@@ -52,13 +65,14 @@ from cached_client.urls import check_all
 from bench import common
 from bench.bounds_rss import rss_mib, storeless_daemon
 from cached.access import Access
+from cached.datasets import Datasets, checked, resolve
 from cached.demo.stack import DaemonProcess
 from cached.planner import Planner, prepare
 from cached.server import MAX_REQUEST_DEPTH, _checked_plan
 
 URL_TEMPLATE = "s3://training-data/imagenet/train/shard-{:06d}.tar"
 SEED = 0
-STEPS = ("decode", "allow", "check_urls", "index", "install")
+STEPS = ("decode", "allow", "urls", "index", "install")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -123,49 +137,68 @@ def node_plans(
 
 
 @contextlib.contextmanager
-def plan_frames() -> Iterator[list[bytes]]:
-    """The header frames of the plan requests sent meanwhile, as the transport encodes
-    them (with the ``id`` it adds): the bytes that go on the socket."""
-    sent: list[bytes] = []
+def plan_frames() -> Iterator[tuple[list[bytes], list[bytes]]]:
+    """The header frames of the ``plan`` and of the ``dataset`` requests sent meanwhile,
+    as the transport encodes them (with the ``id`` it adds): the bytes on the socket."""
+    plans: list[bytes] = []
+    told: list[bytes] = []
 
     def encoding(header: Header) -> bytes:
         frame = encode(header)
         if header.get("op") == Op.PLAN:
-            sent.append(frame)
+            plans.append(frame)
+        elif header.get("op") == Op.DATASET:
+            told.append(frame)
         return frame
 
     with mock.patch.object(transport, "encode", encoding):
-        yield sent
+        yield plans, told
 
 
-def later(
-    frames: list[list[bytes]], readers: list[placement.Reader], urls: list[str], epochs: int
-) -> list[list[bytes]]:
-    """``frames`` and, up to ``epochs`` epochs, each reader's last frame again with the
-    URLs of the later epoch: what its announces would send then."""
-    out = list(frames)
-    for plans in node_plans(urls, readers, range(len(frames), epochs)):
-        out.append(
-            [
-                encode({**decode(frame), "urls": plan})
-                for frame, plan in zip(frames[-1], plans, strict=True)
-            ]
+@dataclass
+class Form:
+    """One way of sending plans: ``"urls"`` (each plan its URLs, as before datasets, and
+    as a client sends them to a daemon without the feature) or ``"compact"`` (the URL list
+    told once per connection, plans as positions in it)."""
+
+    name: str
+    catalog: Catalog | None
+    frames: list[list[bytes]] = field(default_factory=list)  # plan frames per epoch
+    told: list[bytes] = field(default_factory=list)  # dataset frames (once per connection)
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+
+    def frame(self, sent: bytes, plan: list[str]) -> bytes:
+        """``sent`` (a plan frame of this form) for ``plan``'s URLs instead."""
+        header = decode(sent)
+        if self.catalog is None:
+            return encode({**header, "urls": plan})
+        return encode({**header, "index": self.catalog.index(plan)})
+
+
+def later(form: Form, readers: list[placement.Reader], urls: list[str], epochs: int) -> None:
+    """Extend ``form.frames`` up to ``epochs`` epochs with each reader's last frame made
+    for the later epoch's plan: what its announces would send then."""
+    last = form.frames[-1]
+    for plans in node_plans(urls, readers, range(len(form.frames), epochs)):
+        form.frames.append(
+            [form.frame(frame, plan) for frame, plan in zip(last, plans, strict=True)]
         )
-    return out
 
 
 # -- the daemon: cached serve ----------------------------------------------------------------
 
 
 def on_the_daemon(
-    args: argparse.Namespace, readers: list[placement.Reader], urls: list[str], tmp: Path
-) -> tuple[list[list[bytes]], list[dict[str, Any]]]:
-    """Announce every reader's plan for epochs ``0..repeats`` to a ``cached serve``; per
-    epoch, the frames sent and what the daemon spent."""
+    args: argparse.Namespace,
+    readers: list[placement.Reader],
+    urls: list[str],
+    form: Form,
+    tmp: Path,
+) -> None:
+    """Announce every reader's plan for epochs ``0..repeats`` to a ``cached serve``, in
+    ``form``; per epoch, the frames sent and what the daemon spent (into ``form``)."""
     config, socket = storeless_daemon(tmp)
     key, job = uuid.uuid4().hex[:12], jobs.job_name()
-    frames: list[list[bytes]] = []
-    epochs: list[dict[str, Any]] = []
     with DaemonProcess(config, socket) as daemon, contextlib.ExitStack() as stack:
         assert daemon.proc is not None
         pid = daemon.proc.pid
@@ -177,47 +210,65 @@ def on_the_daemon(
         for epoch, plans in enumerate(node_plans(urls, readers, range(args.repeats + 1))):
             walls: list[float] = []
             cpu = sum(common.process_cpu(pid))
-            with plan_frames() as sent:
+            with plan_frames() as (sent, told):
                 for reader, conn, plan in zip(readers, conns, plans, strict=True):
                     started = time.perf_counter()
-                    if not announce(conn, f"{key}/r{reader.rank}/s{reader.stream}", plan, job):
+                    name = f"{key}/r{reader.rank}/s{reader.stream}"
+                    if not announce(conn, name, plan, job, form.catalog):
                         raise RuntimeError("the daemon does not take plans")
                     walls.append(time.perf_counter() - started)
             cpu = sum(common.process_cpu(pid)) - cpu
-            frames.append(sent)
-            epochs.append(
+            form.frames.append(sent)
+            form.told += told
+            form.epochs.append(
                 {
                     "epoch": epoch,
                     "urls": sum(map(len, plans)),
                     "frame_bytes": sum(map(len, sent)),
+                    "dataset_bytes": sum(map(len, told)),
                     "daemon_cpu_s": cpu,
                     "announce_wall_s": walls,
                     "daemon_rss_growth_bytes": int((rss_mib(pid) - rss_idle) * (1 << 20)),
                 }
             )
-    return frames, epochs
 
 
 # -- the daemon's steps, in this process -----------------------------------------------------
 
 
-async def _install(planner: Planner, access: Access, frames: list[bytes]) -> dict[str, float]:
-    """The server's steps for each plan request (``Server._handle``, ``_check_access``,
-    ``_plan``), in order; the CPU seconds of each, summed over ``frames``."""
+async def _install(
+    planner: Planner, access: Access, held: Datasets, frames: list[bytes]
+) -> dict[str, float]:
+    """The server's steps for each request (``Server._handle``, ``_check_access``,
+    ``_dataset`` or ``_plan``), in order; the CPU seconds of each, summed over ``frames``.
+    A dataset's steps count as "urls"; a plan by positions has no "allow" step (its
+    dataset's URLs were allowed when told) and its "urls" step resolves the positions."""
     spent = dict.fromkeys(STEPS, 0.0)
     for frame in frames:
         t0 = time.process_time()
         header = decode(frame, max_depth=MAX_REQUEST_DEPTH)
         t1 = time.process_time()
-        await access.check(header["urls"])
+        if "urls" in header:
+            await access.check(header["urls"])
         t2 = time.process_time()
-        # cached.server._checked_plan, in its two steps.
-        urls = header["urls"]
-        if not all(isinstance(u, str) for u in urls):
-            raise RuntimeError("a plan of non-strings")
-        check_all(urls)
+        if header["op"] == Op.DATASET:
+            held.add(checked(header["dataset"], header["urls"]))
+            spent["decode"] += t1 - t0
+            spent["allow"] += t2 - t1
+            spent["urls"] += time.process_time() - t2
+            continue
+        dataset = header.get("dataset", "")
+        if dataset:  # cached.server.Server._plan, a plan by positions
+            urls = resolve(held.get(dataset), header["index"], 1 << 30)
+        else:  # cached.server._checked_plan, in its two steps
+            urls = header["urls"]
+            if not all(isinstance(u, str) for u in urls):
+                raise RuntimeError("a plan of non-strings")
+            check_all(urls)
         t3 = time.process_time()
-        plan = prepare(header["plan"], urls, cursor=header["cursor"], job=header["job"])
+        plan = prepare(
+            header["plan"], urls, cursor=header["cursor"], job=header["job"], dataset=dataset
+        )
         t4 = time.process_time()
         for _ in planner.install(plan):
             pass
@@ -227,48 +278,63 @@ async def _install(planner: Planner, access: Access, frames: list[bytes]) -> dic
     return spent
 
 
-def cpu_in_process(frames: list[list[bytes]]) -> list[dict[str, float]]:
+def cpu_in_process(form: Form) -> list[dict[str, float]]:
     """Per epoch after the first, the steps' CPU for a first install of the node's plans
-    then for their replacement by the next epoch's; the replacement's median round."""
+    then for their replacement by the next epoch's; the replacement's median round. The
+    datasets are told before each round and not counted."""
     rounds = []
-    for later in frames[1:]:
+    for later_frames in form.frames[1:]:
         gc.collect()  # what an earlier round left is not this round's collection to do
-        planner, access = Planner(), Access()
-        first = asyncio.run(_install(planner, access, frames[0]))
-        replace = asyncio.run(_install(planner, access, later))
+        planner, access, held = Planner(), Access(), Datasets(math.inf)
+        asyncio.run(_install(planner, access, held, form.told[:1]))
+        first = asyncio.run(_install(planner, access, held, form.frames[0]))
+        replace = asyncio.run(_install(planner, access, held, later_frames))
         rounds.append((sum(replace.values()), first, replace))
     _, first, replace = sorted(rounds, key=lambda r: r[0])[len(rounds) // 2]
     return [first, replace]
 
 
-def memory(frames: list[list[bytes]]) -> dict[str, Any]:
-    """tracemalloc around the planner's install of the node's plans, as the server decodes,
-    checks and installs them, then of each later epoch's replacing them: what stays after
-    each epoch, and the peak over the start of each install. The request frames are not
-    counted (the server frees them once a plan is installed)."""
+def memory(form: Form) -> dict[str, Any]:
+    """tracemalloc around the daemon's copy of the dataset (told once: every connection
+    tells the same list, which the daemon holds once) and its install of the node's
+    plans, as the server decodes, checks and installs them, then of each later epoch's
+    replacing them: what stays after each epoch, and the peak over the start of each
+    install. The request frames are not counted (the server frees them once a plan is
+    installed)."""
     gc.collect()
     tracemalloc.start()
     try:
-        planner = Planner()
+        planner, held = Planner(), Datasets(math.inf)
+        for frame in form.told[:1]:
+            header = decode(frame, max_depth=MAX_REQUEST_DEPTH)
+            held.add(checked(header["dataset"], header["urls"]))
+            del header
+        gc.collect()
+        dataset_bytes = tracemalloc.get_traced_memory()[0]
         retained: list[int] = []
         peaks: list[int] = []
-        for epoch in frames:
+        for epoch in form.frames:
             tracemalloc.reset_peak()
             base = tracemalloc.get_traced_memory()[0]
             for frame in epoch:
                 header = decode(frame, max_depth=MAX_REQUEST_DEPTH)
-                plan = _checked_plan(
-                    header["plan"], header["urls"], header["cursor"], header["job"]
-                )
+                if "dataset" in header:
+                    urls = resolve(held.get(header["dataset"]), header["index"], 1 << 30)
+                    plan = prepare(header["plan"], urls, cursor=header["cursor"], job=header["job"])
+                else:
+                    plan = _checked_plan(
+                        header["plan"], header["urls"], header["cursor"], header["job"]
+                    )
                 for _ in planner.install(plan):
                     pass
                 del header, plan
             gc.collect()
             current, peak = tracemalloc.get_traced_memory()
-            retained.append(current)
+            retained.append(current - dataset_bytes)
             peaks.append(peak - base)
         live = planner.plans()
         return {
+            "dataset_bytes": dataset_bytes,
             "retained_bytes_by_epoch": retained,
             "peak_over_start_bytes_by_epoch": peaks,
             "plans": len(live),
@@ -282,74 +348,105 @@ def memory(frames: list[list[bytes]]) -> dict[str, Any]:
 # -- the report ------------------------------------------------------------------------------
 
 
-def _ms(seconds: float, plans: int) -> str:
-    return f"{seconds / plans * 1000:9.1f}"
+def summary(
+    form: Form, plans: int, steps: list[dict[str, float]], mem: dict[str, Any]
+) -> dict[str, Any]:
+    """One form's figures, per node and epoch (medians over the epochs after the first)."""
+    steady = form.epochs[1:]
+    wire = statistics.median(e["frame_bytes"] for e in steady)
+    held = mem["retained_bytes_by_epoch"][-1]
+    return {
+        "urls_per_epoch": statistics.median(e["urls"] for e in steady),
+        "bytes_per_epoch": wire,
+        "bytes_per_plan": [len(f) for f in form.frames[1]],
+        "dataset_bytes_per_node": sum(map(len, form.told)),
+        "dataset_tells": len(form.told),
+        "cpu_s_per_plan": {
+            "first": {step: steps[0][step] / plans for step in STEPS},
+            "replace": {step: steps[1][step] / plans for step in STEPS},
+            "cached_serve_first": form.epochs[0]["daemon_cpu_s"] / plans,
+            "cached_serve_replace": statistics.median(e["daemon_cpu_s"] for e in steady) / plans,
+        },
+        "announce_wall_s": {
+            "first": statistics.median(form.epochs[0]["announce_wall_s"]),
+            "replace": statistics.median(w for e in steady for w in e["announce_wall_s"]),
+        },
+        "memory": {
+            **mem,
+            "retained_bytes_per_plan": held / plans,
+            "retained_bytes_per_url": held / mem["urls"],
+            "cached_serve_rss_growth_bytes": steady[-1]["daemon_rss_growth_bytes"],
+        },
+        "epochs": form.epochs,
+    }
+
+
+def _row(label: str, values: Sequence[str]) -> None:
+    common.log(f"  {label:<34}" + "".join(f"{v:>18}" for v in values))
 
 
 def report(
-    args: argparse.Namespace,
-    readers: list[placement.Reader],
-    urls: list[str],
-    *,
-    frames: list[list[bytes]],
-    epochs: list[dict[str, Any]],
-    steps: list[dict[str, float]],
-    mem: dict[str, Any],
+    args: argparse.Namespace, readers: list[placement.Reader], forms: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     plans = len(readers)
-    steady = epochs[1:]
-    wire_bytes = statistics.median(e["frame_bytes"] for e in steady)
-    n_urls = statistics.median(e["urls"] for e in steady)
-    once = len(encode_value(urls))
-    per_plan = [len(f) for f in frames[1]]
+    figures = list(forms.values())
+    n_urls = figures[0]["urls_per_epoch"]
     common.log(
         f"\none node's plans per epoch: {plans} readers ({args.ranks} rank(s) x {args.workers} "
-        f"workers; node 0 of {args.nodes}, placement={args.placement!r}), {args.shards:,} shards"
+        f"workers; node 0 of {args.nodes}, placement={args.placement!r}), {args.shards:,} shards, "
+        f"{n_urls:,.0f} URLs per epoch ({n_urls / plans:,.0f} per plan)"
     )
-    common.log(f"  URLs per epoch       {n_urls:,.0f} ({n_urls / plans:,.0f} per plan)")
-    common.log(
-        f"  bytes per plan       {common.human(min(per_plan))} - {common.human(max(per_plan))}"
+    _row("", list(forms))
+    _row("bytes per epoch", [common.human(f["bytes_per_epoch"]) for f in figures])
+    _row("  per URL", [f"{f['bytes_per_epoch'] / n_urls:.1f} B" for f in figures])
+    _row(
+        "  per shard of the dataset",
+        [f"{f['bytes_per_epoch'] / args.shards:.1f} B" for f in figures],
     )
-    common.log(
-        f"  bytes per epoch      {wire_bytes:,.0f} ({common.human(wire_bytes)}): "
-        f"{wire_bytes / n_urls:.1f} B per URL, {wire_bytes / args.shards:.1f} B per shard"
+    _row(
+        "bytes per plan",
+        [
+            f"{common.human(min(f['bytes_per_plan']))}-{common.human(max(f['bytes_per_plan']))}"
+            for f in figures
+        ],
     )
-    common.log(f"  the URL list once    {once:,} ({common.human(once)})")
-    common.log(f"\nthe daemon's CPU per plan (ms)  {'first':>9} {'replace':>9}")
-    for step in STEPS:
-        common.log(f"  {step:<30}{_ms(steps[0][step], plans)} {_ms(steps[1][step], plans)}")
-    totals = [sum(s.values()) for s in steps]
-    common.log(f"  {'in-process total':<30}{_ms(totals[0], plans)} {_ms(totals[1], plans)}")
-    serve_cpu = [epochs[0]["daemon_cpu_s"], statistics.median(e["daemon_cpu_s"] for e in steady)]
-    common.log(
-        f"  {'cached serve process CPU':<30}{_ms(serve_cpu[0], plans)} {_ms(serve_cpu[1], plans)}"
+    _row(
+        "the dataset's list, once per node",
+        [f"{common.human(f['dataset_bytes_per_node'])} ({f['dataset_tells']}x)" for f in figures],
     )
-    walls = [
-        statistics.median(epochs[0]["announce_wall_s"]),
-        statistics.median(w for e in steady for w in e["announce_wall_s"]),
-    ]
-    common.log(f"  {'announce round trip (wall)':<30}{_ms(walls[0], 1)} {_ms(walls[1], 1)}")
-    held = mem["retained_bytes_by_epoch"][-1]
-    common.log(
-        f"\nthe daemon's memory for the node's plans ({mem['plans']} plans, {mem['urls']:,} URLs, "
-        f"{mem['distinct_urls']:,} distinct)"
+    for when in ("first", "replace"):
+        _row(f"daemon CPU per plan, {when} (ms)", [""] * len(figures))
+        for step in STEPS:
+            _row(f"    {step}", [f"{f['cpu_s_per_plan'][when][step] * 1000:.2f}" for f in figures])
+        _row(
+            "    cached serve process",
+            [f"{f['cpu_s_per_plan'][f'cached_serve_{when}'] * 1000:.1f}" for f in figures],
+        )
+        _row(
+            "    announce round trip (wall)",
+            [f"{f['announce_wall_s'][when] * 1000:.1f}" for f in figures],
+        )
+    _row(
+        "daemon memory: the dataset, once",
+        [common.human(f["memory"]["dataset_bytes"]) for f in figures],
     )
-    by_epoch = mem["retained_bytes_by_epoch"]
-    shown = sorted({0, 1, len(by_epoch) - 1})
-    common.log(
-        "  retained after epoch   " + ", ".join(f"{e}: {common.human(by_epoch[e])}" for e in shown)
+    for e in sorted({0, 1, len(figures[0]["memory"]["retained_bytes_by_epoch"]) - 1}):
+        _row(
+            f"  plans held after epoch {e}",
+            [common.human(f["memory"]["retained_bytes_by_epoch"][e]) for f in figures],
+        )
+    _row("  per plan", [common.human(f["memory"]["retained_bytes_per_plan"]) for f in figures])
+    _row("  per planned URL", [f"{f['memory']['retained_bytes_per_url']:.0f} B" for f in figures])
+    _row(
+        "  peak while replacing",
+        [common.human(max(f["memory"]["peak_over_start_bytes_by_epoch"][1:])) for f in figures],
     )
-    common.log(
-        f"  retained at the end    {common.human(held)}: {common.human(held / plans)} per plan, "
-        f"{held / mem['urls']:.0f} B per URL"
+    _row(
+        "  cached serve RSS growth",
+        [common.human(f["memory"]["cached_serve_rss_growth_bytes"]) for f in figures],
     )
-    peaks = mem["peak_over_start_bytes_by_epoch"]
-    common.log(
-        f"  peak while installing   first {common.human(peaks[0])}, "
-        f"replacing {common.human(max(peaks[1:]))} over what was held"
-    )
-    rss = steady[-1]["daemon_rss_growth_bytes"]
-    common.log(f"  cached serve RSS growth {common.human(rss)} ({rss / n_urls:.0f} B per URL)")
+    ratio = figures[0]["bytes_per_epoch"] / figures[-1]["bytes_per_epoch"]
+    common.log(f"\n  the wire per epoch: {ratio:.1f}x less as positions")
     return {
         "config": {
             "shards": args.shards,
@@ -359,32 +456,10 @@ def report(
             "placement": args.placement,
             "url_template": args.url_template,
             "repeats": args.repeats,
-            "memory_epochs": len(mem["retained_bytes_by_epoch"]),
+            "memory_epochs": args.memory_epochs,
         },
-        "wire": {
-            "plans_per_epoch": plans,
-            "urls_per_epoch": n_urls,
-            "bytes_per_epoch": wire_bytes,
-            "bytes_per_plan": per_plan,
-            "bytes_per_url": wire_bytes / n_urls,
-            "bytes_per_shard": wire_bytes / args.shards,
-            "url_list_once_bytes": once,
-        },
-        "daemon_cpu_s_per_plan": {
-            "first": {step: steps[0][step] / plans for step in STEPS},
-            "replace": {step: steps[1][step] / plans for step in STEPS},
-            "cached_serve_first": serve_cpu[0] / plans,
-            "cached_serve_replace": serve_cpu[1] / plans,
-            "announce_wall_first": walls[0],
-            "announce_wall_replace": walls[1],
-        },
-        "daemon_memory": {
-            **mem,
-            "retained_bytes_per_plan": held / plans,
-            "retained_bytes_per_url": held / mem["urls"],
-            "cached_serve_rss_growth_bytes": rss,
-        },
-        "epochs": epochs,
+        "forms": forms,
+        "wire_ratio": ratio,
     }
 
 
@@ -393,18 +468,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     doc, started = common.start_run("plan_wire", "plans on the wire (issue 24, item 5)")
     urls = [args.url_template.format(i) for i in range(args.shards)]
     readers = node_readers(args)
-    common.log(
-        f"announcing {len(readers)} plans per epoch to cached serve, {args.repeats + 1} epochs"
-    )
-    with tempfile.TemporaryDirectory(prefix="plan-wire-") as tmp:
-        frames, epochs = on_the_daemon(args, readers, urls, Path(tmp))
-    common.log("the server's steps in this process")
-    steps = cpu_in_process(frames)
-    common.log(
-        f"installing {max(len(frames), args.memory_epochs)} epochs of plans under tracemalloc"
-    )
-    mem = memory(later(frames, readers, urls, max(len(frames), args.memory_epochs)))
-    doc.update(report(args, readers, urls, frames=frames, epochs=epochs, steps=steps, mem=mem))
+    forms: dict[str, dict[str, Any]] = {}
+    for form in (Form("urls", None), Form("compact", Catalog(urls))):
+        common.log(
+            f"{form.name}: announcing {len(readers)} plans per epoch to cached serve, "
+            f"{args.repeats + 1} epochs"
+        )
+        with tempfile.TemporaryDirectory(prefix="plan-wire-") as tmp:
+            on_the_daemon(args, readers, urls, form, Path(tmp))
+        common.log(f"{form.name}: the server's steps in this process")
+        steps = cpu_in_process(form)
+        epochs = max(len(form.frames), args.memory_epochs)
+        common.log(f"{form.name}: installing {epochs} epochs of plans under tracemalloc")
+        later(form, readers, urls, epochs)
+        forms[form.name] = summary(form, len(readers), steps, memory(form))
+    doc.update(report(args, readers, forms))
     common.finish_run("plan_wire", doc, started, args.out)
 
 

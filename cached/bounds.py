@@ -49,6 +49,15 @@ class Bounds:
         )
         return plans, urls
 
+    def dataset_quota(self) -> Quota:
+        """The URLs of the datasets told (per user, in total), under the caps of the URLs in
+        plans: a dataset's URL is what a planned URL told in full costs, or less."""
+        return Quota(
+            "URLs in datasets",
+            per_user=Cap(self.max_plan_urls_per_user, "[server] max_plan_urls_per_user"),
+            total=Cap(self.max_plan_urls, "[server] max_plan_urls"),
+        )
+
     def lease_quotas(self, capacity_bytes: int) -> tuple[Quota, Quota]:
         """Leases counted (per connection, per user, in total), and the bytes of the shards
         they pin per user (a share of the hot tier's ``capacity_bytes``)."""

@@ -263,6 +263,7 @@ class Daemon:
                 "prefetches": _value(m.prefetches),
             },
             "plans": plans,
+            "datasets": self.server.datasets.summary() if hasattr(self, "server") else None,
             "jobs": self.jobs.summary(Counter(str(p["job"]) for p in plans if p["job"])),
             "store": self.fetcher.store_status() if hasattr(self, "fetcher") else None,
             "requests": self._requests_status(),

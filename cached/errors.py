@@ -74,6 +74,12 @@ class LimitExceeded(CachedError):
     code = ErrorCode.LIMIT
 
 
+class UnknownDataset(CachedError):
+    """A plan names a dataset the daemon does not hold; the client tells it and retries."""
+
+    code = ErrorCode.UNKNOWN_DATASET
+
+
 class OutOfRange(CachedError, IndexError):
     """A read past the last sample of a shard."""
 

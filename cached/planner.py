@@ -48,6 +48,7 @@ class Plan:
     key: str
     urls: list[str]
     job: str = ""
+    dataset: str = ""  # the dataset whose positions the plan named (cached/datasets.py)
     cursor: int = 0
     rate: float | None = None  # shards per second, None until observed
     seen: float = 0.0  # clock of the last update or read
@@ -73,11 +74,13 @@ class Plan:
         return positions[i] if i < len(positions) else None
 
 
-def prepare(key: str, urls: Sequence[str], *, cursor: int = 0, job: str = "") -> Plan:
+def prepare(
+    key: str, urls: Sequence[str], *, cursor: int = 0, job: str = "", dataset: str = ""
+) -> Plan:
     """A plan ready for :meth:`Planner.install`. Touches no planner state, so the daemon
     builds a long plan (its position index is the costly part) in a worker thread."""
     urls = list(urls)
-    return Plan(key, urls, job=job, cursor=min(cursor, len(urls)))
+    return Plan(key, urls, job=job, dataset=dataset, cursor=min(cursor, len(urls)))
 
 
 class Planner:
@@ -304,6 +307,7 @@ class Planner:
             {
                 "stream": p.key,
                 "job": p.job,
+                "dataset": p.dataset or None,
                 "cursor": p.cursor,
                 "shards": len(p.urls),
                 "rate_shards_per_s": None if p.rate is None else round(p.rate, 3),

@@ -116,6 +116,10 @@ class Quota:
         for key in [k for k in self._owner if k not in live]:
             self._remove(key)
 
+    def keys(self) -> list[Hashable]:
+        """Every key counted."""
+        return list(self._owner)
+
     def held(self, client: bytes) -> int:
         """The weight ``client`` holds."""
         return self._client_sum.get(client, 0)

@@ -40,6 +40,7 @@ from cached_client.urls import check_all, parse
 from . import __version__, socketmode
 from .access import DEFAULT_ALLOW, Access
 from .bounds import Bounds
+from .datasets import Datasets, checked, resolve
 from .errors import CachedError, OutOfRange, ProtocolError, VersionMismatch
 from .fetcher import AHEAD, DEMAND, PREFETCH, Fetcher, shard_id
 from .jobs import JobBoard, Report
@@ -86,7 +87,8 @@ _PRIORITY = {"demand": DEMAND, "prefetch": PREFETCH, "ahead": AHEAD}
 # "packed": a local read's layout is one binary frame (D34), the only form it has.
 # "heartbeat": a client's heartbeat (its own socket, naming its connection's session)
 # renews the connection's leases and plans and carries the instance (issue 21).
-FEATURES = ("release", "whole", "packed", "heartbeat")
+# "datasets": a dataset's URL list is told once, and plans name positions in it (issue 24).
+FEATURES = ("release", "whole", "packed", "heartbeat", "datasets")
 # A session name: what a client calls its connection in its hello.
 _SESSION = re.compile(r"[0-9A-Za-z_-]{8,64}")
 # The request frames being handled at once, in bytes, as a multiple of [server]
@@ -126,6 +128,16 @@ def _checked_plan(key: str, urls: list[Any], cursor: int, job: str) -> Plan:
         raise ProtocolError("request field 'urls' must be a list of strings")
     check_all(urls)
     return prepare(key, urls, cursor=cursor, job=job)
+
+
+def _listed(header: Header, most: int, what: str) -> list[Any]:
+    """The request's ``urls``: a list of at most ``most`` (checked item by item later)."""
+    urls = header.get("urls")
+    if not isinstance(urls, list):
+        raise ProtocolError("request field 'urls' must be a list of strings")
+    if len(urls) > most:
+        raise ProtocolError(f"{what} may name at most {most} shards")
+    return urls
 
 
 def _str(header: Header, name: str) -> str:
@@ -202,6 +214,9 @@ class Server:
         self.max_plan_shards = max_plan_shards
         self.jobs = jobs if jobs is not None else JobBoard(metrics)
         self.plan_quota, self.plan_urls = bounds.plan_quotas()
+        # Datasets told (compact plans name positions in them), and their URLs per user.
+        self.datasets = Datasets(self.planner.timeout_s)
+        self.dataset_urls = bounds.dataset_quota()
         # A gone connection's plans stay this long ([prefetch] plan_grace_s), see _release_held.
         self.plan_grace_s = plan_grace_s
         self._graces: set[asyncio.TimerHandle] = set()
@@ -637,6 +652,10 @@ class Server:
                 live: set[Any] = {plan.key for plan in self.planner.plans()}
                 self.plan_quota.retain(live)
                 self.plan_urls.retain(live)
+            if self.datasets.drop_unnamed({plan.dataset for plan in self.planner.plans()}):
+                held = self.datasets.ids()
+                kept = self.dataset_urls.keys()
+                self.dataset_urls.retain({k for k in kept if isinstance(k, tuple) and k[1] in held})
             self.metrics.streams.set(self.leases.streams())
 
     def _done(self, peer: Peer, size: int, task: asyncio.Task[None]) -> None:
@@ -704,8 +723,8 @@ class Server:
     async def _check_access(self, op: str, header: Header) -> None:
         """``[server] allow``: every URL the request names, before anything is fetched.
         Fields of the wrong type are left to the op's own checks (``bad_request``)."""
-        if op == Op.PLAN:
-            named = header.get("urls")
+        if op in (Op.PLAN, Op.DATASET):
+            named = header.get("urls")  # a plan naming a dataset's positions: none here
         elif op in (Op.OPEN, Op.READ, Op.CLOSE):
             released = header.get("release")
             named = [header.get("url"), *(released if isinstance(released, list) else [])]
@@ -714,8 +733,9 @@ class Server:
         # An oversized plan is refused by _plan (bad_request) without this costly walk.
         if isinstance(named, list) and len(named) <= self.max_plan_shards:
             urls = [u for u in named if isinstance(u, str)]
-            if op == Op.PLAN or not self.access.settled(urls):
-                await self.access.check(urls, remember=op != Op.PLAN)
+            listing = op in (Op.PLAN, Op.DATASET)
+            if listing or not self.access.settled(urls):
+                await self.access.check(urls, remember=not listing)
 
     async def _dispatch(self, op: str, header: Header, client: Peer) -> tuple[Header, list[Any]]:
         """Run one request; ``client`` is the connection (for the caps)."""
@@ -754,6 +774,9 @@ class Server:
             return {"status": self._status()}, []
         if op == Op.PLAN:
             await self._plan(header, client)
+            return {}, []
+        if op == Op.DATASET:
+            await self._dataset(header, client)
             return {}, []
         if op == Op.REPORT:
             self.jobs.report(Report.parse(header))
@@ -822,21 +845,49 @@ class Server:
             self.leases.hold(stream, shard, client.ident, client.user)
         return shard, stream, hit
 
+    async def _dataset(self, header: Header, client: Peer) -> None:
+        """A dataset's URL list, told once for the plans that name positions in it."""
+        dataset_id = _str(header, "dataset")
+        urls = _listed(header, self.max_plan_shards, "a dataset")
+        if dataset_id in self.datasets.ids():
+            # Held: its digest was checked then, and the plans resolve against its URLs,
+            # whatever these are.
+            dataset = self.datasets.get(dataset_id)
+        elif len(urls) > PLAN_OFFLOAD_URLS:
+            dataset = await asyncio.to_thread(checked, dataset_id, urls)
+        else:
+            dataset = checked(dataset_id, urls)
+        user = client.user or client.ident.hex()
+        self.dataset_urls.admit(client.ident, (user, dataset_id), len(dataset.urls), user)
+        self.datasets.add(dataset)
+
     async def _plan(self, header: Header, client: Peer) -> None:
         key = _str(header, "plan")
-        urls = header.get("urls")
-        if not isinstance(urls, list):
-            raise ProtocolError("request field 'urls' must be a list of strings")
-        if len(urls) > self.max_plan_shards:
-            raise ProtocolError(f"a plan may name at most {self.max_plan_shards} shards")
         cursor = _int(header, "cursor") if "cursor" in header else 0
         job = str(header.get("job", ""))
         # A long plan is checked and indexed in a worker thread, then published in steps:
         # a million URLs would otherwise stall every other client for seconds.
-        if len(urls) > PLAN_OFFLOAD_URLS:
-            plan = await asyncio.to_thread(_checked_plan, key, urls, cursor, job)
+        if "dataset" in header:
+            dataset = self.datasets.get(_str(header, "dataset"))
+            index = header.get("index")
+            if not isinstance(index, str):  # empty for a reader with no shards this time
+                raise ProtocolError("request field 'index' must be a string")
+            if len(index) > PLAN_OFFLOAD_URLS * 4:
+                urls = await asyncio.to_thread(resolve, dataset, index, self.max_plan_shards)
+            else:
+                urls = resolve(dataset, index, self.max_plan_shards)
+            if len(urls) > PLAN_OFFLOAD_URLS:
+                plan = await asyncio.to_thread(
+                    prepare, key, urls, cursor=cursor, job=job, dataset=dataset.id
+                )
+            else:
+                plan = prepare(key, urls, cursor=cursor, job=job, dataset=dataset.id)
         else:
-            plan = _checked_plan(key, urls, cursor, job)
+            urls = _listed(header, self.max_plan_shards, "a plan")
+            if len(urls) > PLAN_OFFLOAD_URLS:
+                plan = await asyncio.to_thread(_checked_plan, key, urls, cursor, job)
+            else:
+                plan = _checked_plan(key, urls, cursor, job)
         ident, user = client.ident, client.user
         self.plan_quota.check(ident, key, 1, user)
         self.plan_urls.admit(ident, key, len(plan.urls), user)

@@ -17,6 +17,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import elastic, jobs, partition, resume
 from . import placement as placement_module
+from .catalog import Catalog
 from .errors import UsageError
 from .local import choose
 from .reader import RawSample, announce, pipelined_reads, raw_samples, shard_lengths
@@ -117,6 +118,7 @@ class CachedDataset(IterableDataset[Any]):
     ) -> None:
         super().__init__()
         self.urls = expand_all(urls)
+        self.catalog = Catalog(self.urls)  # told to the daemon once; plans name positions
         self.endpoint = resolve_endpoint(socket)
         self.shuffle = shuffle
         self.seed = seed
@@ -445,7 +447,8 @@ class _Pass:
         # knows what not to evict.
         ahead = [ds.urls[p.shard] for p in ds.parts(self.epoch + 1)]
         key = f"{ds._plans}/r{ds.rank}/s{stream}"
-        plan = key if announce(conn, key, [s.url for s in spans] + ahead, ds.job) else None
+        told = announce(conn, key, [s.url for s in spans] + ahead, ds.job, ds.catalog)
+        plan = key if told else None
         reads = pipelined_reads(conn, spans, sid, inflight=ds.inflight, plan=plan)
         left = len(picks)
         for read, rid in reads:

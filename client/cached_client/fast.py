@@ -25,6 +25,7 @@ from . import elastic, jobs, partition, resume
 from . import local as local_module
 from . import placement as placement_module
 from .buffers import Batch, Ring, Slot, pinned_memory_available
+from .catalog import Catalog
 from .device import CopyStream, require_device, with_index
 from .errors import ProtocolError, UsageError, check_reply
 from .layouts import PackedRows, check_rows
@@ -102,6 +103,7 @@ class FastLoader:
         if batch_size < 1:
             raise UsageError(f"batch_size must be positive, not {batch_size}")
         self.urls = expand_all(urls)
+        self.catalog = Catalog(self.urls)  # told to the daemon once; plans name positions
         self.batch_size = batch_size
         self.exts = list(exts) if exts is not None else None
         # Checked first: a missing device fails here, before any connection.
@@ -314,7 +316,7 @@ class FastLoader:
         plan_key = self._stream.split("/")[0]
         ahead = self.shard_urls(self.epoch + 1)
         urls = [s.url for s in spans] + ahead
-        plan = plan_key if announce(conn, plan_key, urls, self.job) else None
+        plan = plan_key if announce(conn, plan_key, urls, self.job, self.catalog) else None
         filling = _Filling(ring.claim())
         reads = pipelined_reads(
             conn, spans, self._stream, inflight=self.inflight, exts=self.exts, plan=plan

@@ -22,6 +22,10 @@ Requests (header fields):
 - ``{"op": "plan", "id", "plan", "urls", "cursor", "job"}`` -> ``{"id", "ok"}``: the
   stream's future shard order (this epoch, then the next); ``read`` requests carry
   ``plan`` and ``pos`` (the index in ``urls`` being read) to move its cursor.
+- ``{"op": "dataset", "id", "dataset", "urls"}`` -> ``{"id", "ok"}`` (where ``features``
+  has ``"datasets"``): a dataset's URL list, named by :func:`catalog.catalog_id`; a
+  ``plan`` may then carry ``"dataset"`` and ``"index"`` (base64 of 32-bit positions in
+  that list) instead of ``"urls"``.
 - ``{"op": "report", "id", "job", "reporter", "wait_s", "loop_s", "batches", "ready"}`` ->
   ``{"id", "ok"}``: a training process's cumulative time waiting for data, loop time,
   batches and batches ready, for the daemon's per-job metrics.
@@ -54,6 +58,7 @@ class Op(StrEnum):
     PLAN = "plan"
     REPORT = "report"
     HEARTBEAT = "heartbeat"
+    DATASET = "dataset"
 
 
 class ErrorCode(StrEnum):
@@ -70,6 +75,9 @@ class ErrorCode(StrEnum):
     OUT_OF_RANGE = "out_of_range"
     UNAVAILABLE = "unavailable"
     LIMIT = "limit_exceeded"
+    # A plan names a dataset the daemon does not hold (never told, restarted, or let go
+    # when no plan named it): the client tells it the dataset and sends the plan again.
+    UNKNOWN_DATASET = "unknown_dataset"
     # Not an answer: the daemon stopped before it could answer. The client keeps the
     # request and sends it again to the daemon's successor.
     SHUTTING_DOWN = "shutting_down"

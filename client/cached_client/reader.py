@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from .catalog import Catalog
 from .errors import RemoteError
 from .protocol import ErrorCode, Header, Op
 from .transport import Connection
@@ -79,18 +80,46 @@ def _length(conn: Connection, url: str, rid: int) -> int:
     return int(header["samples"])
 
 
-def announce(conn: Connection, plan: str, urls: Sequence[str], job: str = "") -> bool:
+def announce(
+    conn: Connection,
+    plan: str,
+    urls: Sequence[str],
+    job: str = "",
+    catalog: Catalog | None = None,
+) -> bool:
     """Tell the daemon the shards this reader will read, in order (the rest of this epoch,
     then the next), so it prefetches ahead and evicts what is needed last. Reads then move
     the cursor (``pipelined_reads(plan=...)``). Returns False when the daemon does not know
-    plans (an older daemon): reading works the same, without the lookahead."""
-    header: Header = {"op": Op.PLAN, "plan": plan, "urls": list(urls), "cursor": 0, "job": job}
-    try:
-        conn.request(header)
-    except RemoteError as exc:
-        if exc.code != ErrorCode.BAD_REQUEST or "unknown op" not in str(exc):
-            raise
-        return False
+    plans (an older daemon): reading works the same, without the lookahead.
+
+    With ``catalog`` (the dataset's URL list, holding every URL of ``urls``) and a daemon
+    that knows datasets, the plan names positions in the list: 4 bytes per shard instead
+    of its URL. The list itself goes only to a daemon that does not hold it yet (another
+    reader of the dataset told it, and the daemon keeps one copy per list), which answers
+    the plan ``unknown_dataset`` (docs/protocol.md, "Datasets")."""
+    conn.open()
+    header: Header = {"op": Op.PLAN, "plan": plan, "cursor": 0, "job": job}
+    index = catalog.index(urls) if catalog is not None and conn.supports("datasets") else None
+    if catalog is not None and index is not None:
+        header |= {"dataset": catalog.id, "index": index}
+        told: Header = {"op": Op.DATASET, "dataset": catalog.id, "urls": catalog.urls}
+        try:
+            conn.request(header)
+        except RemoteError as exc:
+            if exc.code != ErrorCode.UNKNOWN_DATASET:
+                raise
+            conn.request(told)
+            conn.request(header)
+        # Told again, before the plan, to a daemon that restarted.
+        conn.keep(f"dataset/{catalog.id}", told)
+    else:
+        header["urls"] = list(urls)
+        try:
+            conn.request(header)
+        except RemoteError as exc:
+            if exc.code != ErrorCode.BAD_REQUEST or "unknown op" not in str(exc):
+                raise
+            return False
     # A daemon that restarts loses plans; the connection tells the new one again (the
     # reads that follow move the cursor back to where the reader is).
     conn.keep(f"plan/{plan}", header)

@@ -429,8 +429,18 @@ class Connection:
 
     def keep(self, key: str, header: Header) -> None:
         """Remember a request whose effect lives in the daemon (a plan), to send it again
-        to a daemon that restarted; a newer one under the same ``key`` replaces it."""
+        to a daemon that restarted; a newer one under the same ``key`` replaces it. They
+        are sent again in the order last kept: a dataset before the plans that name it."""
+        self._standing.pop(key, None)
         self._standing[key] = {k: v for k, v in header.items() if k != "id"}
+
+    def keeps(self, key: str) -> bool:
+        """Whether a request is kept under ``key`` (see :meth:`keep`)."""
+        return key in self._standing
+
+    def supports(self, feature: str) -> bool:
+        """Whether the daemon's hello listed ``feature`` (False before the first hello)."""
+        return feature in self._features
 
     def receive(self, request_id: int, *, in_place: bool = False) -> Reply:
         """Wait for the reply to ``request_id`` (not checked for an error: the caller does).
