@@ -71,6 +71,7 @@ bench: $(STAMP)
 	$(PY) bench/fetch.py
 	$(PY) bench/plan_wire.py
 	$(PY) bench/budget.py
+	$(PY) bench/budget.py --nodes 8 --shards-per-node 16 --shard-kb 1024 --store-mbps 40
 	$(PY) bench/cluster_sim.py
 	$(PY) bench/cluster_egress.py
 	$(PEERS_PY) bench/shuffle_quality.py
@@ -82,6 +83,7 @@ bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/fetch.py --small
 	$(PY) bench/plan_wire.py --small
 	$(PY) bench/budget.py --small
+	$(PY) bench/budget.py --small --store-mbps 10 --shard-kb 256
 	$(PY) bench/cluster_sim.py --small
 	$(PY) bench/cluster_egress.py --small
 	$(PY) bench/volume.py --shards 8 --samples 160 --epochs 2 --repeats 1

@@ -14,8 +14,14 @@ For each it prints, as medians: the fill time at the store (its first request to
 last) against what the limit allows (requests / limit), the SlowDowns, the failed reads,
 and the most requests the store answered in any one second.
 
+With ``--store-mbps`` the store is limited in bandwidth instead (the proxy's responses
+share one link of that rate, and no request limit): the setting ``bandwidth``, whose fill
+time at the store (the first request's arrival to the link's last byte) is set against
+``bench/cluster_sim.py``'s model of a bandwidth-limited cold start (issue 24, item 6).
+
     python bench/budget.py            # 6 nodes x 60 shards, limit 30/s, 3 rounds
     python bench/budget.py --small    # 3 nodes x 20 shards, 1 round (CI)
+    python bench/budget.py --nodes 8 --shards-per-node 16 --shard-kb 1024 --store-mbps 40
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ if __package__ in (None, ""):
 
 import boto3
 
-from bench import common, stores
+from bench import cluster_sim, common, stores
 from tests.faultproxy import FaultProxy
 
 BUCKET = "budget"
@@ -53,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="shard size: small, so that requests, not bytes, are the limit",
     )
     p.add_argument("--limit", type=float, default=30.0, help="the store's requests/s, in all")
+    p.add_argument(
+        "--store-mbps",
+        type=float,
+        default=0.0,
+        help="limit the store's bandwidth (MB/s, in all) instead of its requests",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--small", action="store_true", help="3 nodes x 20 shards, 1 round")
     p.add_argument("--out", type=Path, default=common.OUT_DIR)
@@ -62,12 +74,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.nodes, args.shards_per_node, args.repeats = 3, 20, 1
     if args.nodes < 1 or args.shards_per_node < 1 or args.limit <= 0 or args.repeats < 1:
         p.error("--nodes, --shards-per-node, --limit and --repeats must be positive")
+    if args.store_mbps < 0:
+        p.error("--store-mbps must not be negative")
     return args
+
+
+def settings(args: argparse.Namespace) -> tuple[str, ...]:
+    return ("bandwidth",) if args.store_mbps else SETTINGS
 
 
 def upload(endpoint: str, work: Path, count: int, size: int) -> list[str]:
     """``count`` tar shards of about ``size`` bytes (16 samples each) in the bucket."""
-    shards = common.write_shards(work / "shards", count, 16, max(1, size // 16))
+    shards = common.write_shards(work / "shards", count, count * 16, max(1, size // 16))
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     s3.create_bucket(Bucket=BUCKET)
     for path in shards.paths:
@@ -112,6 +130,8 @@ def one_round(
         for d in daemons:
             d.stop()
     load = proxy.limited_load()
+    if setting == "bandwidth":
+        return bandwidth_result(args, proxy, work, wall, failed)
     allowed = load.answered / args.limit
     return {
         "setting": setting,
@@ -127,28 +147,75 @@ def one_round(
     }
 
 
+def bandwidth_result(
+    args: argparse.Namespace, proxy: FaultProxy, work: Path, wall: float, failed: int
+) -> dict[str, Any]:
+    """A bandwidth-limited round: the fill at the store against the model's."""
+    first = min(s.at for s in proxy.seen)
+    fill = proxy.link_done_at - first
+    dataset = sum(p.stat().st_size for p in (work / "shards").glob("*.tar"))
+    predicted = cluster_sim.model(
+        cluster_sim.Cluster(
+            nodes=args.nodes,
+            ranks=1,
+            workers=1,
+            dataset=dataset,
+            tier=dataset,
+            shard=dataset / (args.nodes * args.shards_per_node),
+            nic=float("inf"),  # loopback
+            store_bw=args.store_mbps * 1e6,
+            store_rps=float("inf"),
+        ),
+        epochs=1,
+        sim_shards=args.nodes * args.shards_per_node,
+        seed=0,
+    )
+    return {
+        "setting": "bandwidth",
+        "answered": len(proxy.seen),
+        "slowdowns": 0,
+        "failed_reads": failed,
+        "fill_s": fill,
+        "allowed_s": predicted.cold_fill_s,
+        "ratio": fill / predicted.cold_fill_s,
+        "wall_s": wall,
+        "limited_by": predicted.limited_by,
+        "most_in_1s": proxy.limited_load().most_in_1s,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    doc, started = common.start_run("budget", "Many nodes, one store with a request limit")
+    limited = "bandwidth" if args.store_mbps else "request"
+    doc, started = common.start_run("budget", f"Many nodes, one store with a {limited} limit")
     with common.workdir("cached-budget-") as work, stores.s3_store(args.store, work) as store:
         common.log(store.describe())
         count = args.nodes * args.shards_per_node
         urls = upload(store.endpoint_url, work, count, args.shard_kb << 10)
+        limit = (
+            f"sends {args.store_mbps:g} MB/s in all"
+            if args.store_mbps
+            else f"answers SlowDown above {args.limit:g} requests/s in all (burst {args.nodes})"
+        )
         common.log(
-            f"{args.nodes} nodes x {args.shards_per_node} shards of {args.shard_kb} KiB; the "
-            f"store answers SlowDown above {args.limit:g} requests/s in all (burst {args.nodes})"
+            f"{args.nodes} nodes x {args.shards_per_node} shards of {args.shard_kb} KiB; "
+            f"the store {limit}"
         )
         rounds: list[dict[str, Any]] = []
         with FaultProxy.start(store.endpoint_url) as proxy:
-            proxy.max_requests_per_s = args.limit
-            proxy.request_burst = args.nodes
+            if args.store_mbps:
+                proxy.rate_bps = args.store_mbps * 1e6
+            else:
+                proxy.max_requests_per_s = args.limit
+                proxy.request_burst = args.nodes
+            against = "the model's" if args.store_mbps else "what the limit allows"
             for r in range(args.repeats):
-                for setting in SETTINGS if r % 2 == 0 else SETTINGS[::-1]:
+                for setting in settings(args) if r % 2 == 0 else settings(args)[::-1]:
                     result = one_round(args, setting, urls, proxy, work)
                     rounds.append(result)
                     common.log(
                         f"  round {r + 1} {setting:5}: fill {result['fill_s']:.2f} s "
-                        f"({result['ratio']:.2f}x what the limit allows), "
+                        f"({result['ratio']:.2f}x {against}), "
                         f"{result['slowdowns']} SlowDowns, {result['failed_reads']} failed "
                         f"reads, at most {result['most_in_1s']} requests in a second"
                     )
@@ -156,14 +223,19 @@ def main(argv: list[str] | None = None) -> int:
     doc["rounds"] = rounds
     common.log("\nmedians:")
     ok = True
-    for setting in SETTINGS:
+    for setting in settings(args):
         mine = [r for r in rounds if r["setting"] == setting]
         med = {k: statistics.median(r[k] for r in mine) for k in ("fill_s", "ratio", "slowdowns")}
         failed = sum(r["failed_reads"] for r in mine)
         ok &= failed == 0
         common.log(
             f"  {setting:5} fill {med['fill_s']:.2f} s, {med['ratio']:.2f}x what "
-            f"{args.limit:g}/s allows, {med['slowdowns']:.0f} SlowDowns, {failed} failed reads"
+            + (
+                f"the model gives for {args.store_mbps:g} MB/s"
+                if args.store_mbps
+                else f"{args.limit:g}/s allows"
+            )
+            + f", {med['slowdowns']:.0f} SlowDowns, {failed} failed reads"
         )
     common.finish_run("budget", doc, started, args.out)
     return 0 if ok else 1

@@ -34,7 +34,7 @@ class Bounds:
 
     def plan_quotas(self) -> tuple[Quota, Quota]:
         """Plans counted (per connection, per user, in total), and their URLs (per user, in
-        total: what a plan costs in memory, 340-560 bytes each: bench/bounds_rss.py,
+        total: what a plan costs in memory, 270-560 bytes each: bench/bounds_rss.py,
         bench/plan_wire.py)."""
         plans = Quota(
             "plans",

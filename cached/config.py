@@ -104,8 +104,9 @@ class ServerConfig:
     max_requests_per_client: int = 256
     reply_timeout_s: float = 30.0
     # The same caps per local user (the uid of an ipc connection; a tcp connection is a
-    # user of its own) and for all clients together. A plan costs 340-560 bytes per URL
-    # (bench/bounds_rss.py, bench/plan_wire.py).
+    # user of its own) and for all clients together. A plan costs 270-560 bytes per URL
+    # (bench/bounds_rss.py, bench/plan_wire.py); the URL caps also bound, apart, the URLs
+    # of the datasets each user told (about 107 bytes each; docs/protocol.md, "Datasets").
     max_plans_per_user: int = 1024
     max_plans: int = 4096
     max_plan_urls_per_user: int = 4_000_000

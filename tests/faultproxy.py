@@ -232,6 +232,12 @@ class FaultProxy:
         refused = sum(1 for s in seen if s.fault == "limited")
         return Load(len(answered), refused, most, span)
 
+    @property
+    def link_done_at(self) -> float:
+        """``time.monotonic()`` when the shaped link (``rate_bps``) sends, or sent, the
+        last byte queued on it so far."""
+        return self._link_free_at
+
     def _admit(self) -> bool:
         """Whether the request limit (``max_requests_per_s``) lets one more through now."""
         rate = self.max_requests_per_s

@@ -21,7 +21,8 @@ from cached_client.protocol import Op, encode
 from cached_client.reader import announce
 from cached_client.transport import Connection
 
-from tests.daemon import daemon_config, thread_daemon
+from bench.bounds_rss import storeless_daemon
+from tests.daemon import ProcessDaemon, daemon_config, thread_daemon
 from tests.s3server import S3Server
 from tests.test_tiering import equal_shards
 
@@ -163,7 +164,6 @@ def test_a_dataset_lapses_only_when_no_plan_names_it_and_the_client_tells_it_aga
             assert time.monotonic() < deadline, "the dataset never lapsed"
             time.sleep(0.1)
         assert d.call(lambda: server.dataset_urls.total_held) == 0
-        assert conn.keeps(f"dataset/{catalog.id}")  # the client kept it for a restart
         assert announce(conn, "p", URLS[10:20], "j", catalog)
         assert plans(d) == [("p", URLS[10:20], catalog.id)]
 
@@ -237,3 +237,26 @@ def test_a_plan_of_urls_still_works_for_clients_that_do_not_know_datasets(
     with connected(tmp_path) as (d, conn):
         assert announce(conn, "p", URLS[:3], "j")  # no catalog: the URLs themselves
         assert plans(d) == [("p", URLS[:3], "")]
+
+
+def test_a_restarted_daemon_gets_a_plan_by_positions_back_whatever_the_lists_size(
+    tmp_path: Path,
+) -> None:
+    """A daemon that restarts gets the reader's plan back within a heartbeat, as URLs. The
+    list here is 30,000 URLs (1.6 MB), a request the daemon decodes in a worker thread: a
+    plan resent by positions right after it would be handled first and refused."""
+    config, socket = storeless_daemon(tmp_path)
+    urls = [f"s3://b/shard-{i:06d}.tar" for i in range(30_000)]
+    conn = Connection(socket)
+    try:
+        with ProcessDaemon(config, socket) as first:
+            assert announce(conn, "p", urls[:100], "j", Catalog(urls))
+            assert [p["dataset"] for p in first.status()["plans"]] == [catalog_id(urls)]
+        with ProcessDaemon(config, socket) as second:
+            deadline = time.monotonic() + 2.0 + 1.0
+            while not second.status()["plans"]:
+                assert time.monotonic() < deadline, "no plan within a heartbeat (2 s)"
+                time.sleep(0.05)
+            assert [p["shards"] for p in second.status()["plans"]] == [100]
+    finally:
+        conn.close()

@@ -115,7 +115,7 @@ class Heartbeat:
         socket; the connection tells them again on its own at its next request)."""
         standing = self._standing()
         log.warning(
-            "cached daemon at %s restarted; telling it %d plans and datasets again",
+            "cached daemon at %s restarted; telling it %d plans again",
             self._endpoint,
             len(standing),
         )

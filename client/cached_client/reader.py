@@ -110,8 +110,6 @@ def announce(
                 raise
             conn.request(told)
             conn.request(header)
-        # Told again, before the plan, to a daemon that restarted.
-        conn.keep(f"dataset/{catalog.id}", told)
     else:
         header["urls"] = list(urls)
         try:
@@ -121,8 +119,11 @@ def announce(
                 raise
             return False
     # A daemon that restarts loses plans; the connection tells the new one again (the
-    # reads that follow move the cursor back to where the reader is).
-    conn.keep(f"plan/{plan}", header)
+    # reads that follow move the cursor back to where the reader is). As URLs: a resent
+    # plan goes without waiting for a reply, and the daemon handles requests concurrently,
+    # so a plan by positions could overtake the list it names.
+    kept = {k: v for k, v in header.items() if k not in ("dataset", "index")}
+    conn.keep(f"plan/{plan}", {**kept, "urls": list(urls)})
     return True
 
 

@@ -429,14 +429,8 @@ class Connection:
 
     def keep(self, key: str, header: Header) -> None:
         """Remember a request whose effect lives in the daemon (a plan), to send it again
-        to a daemon that restarted; a newer one under the same ``key`` replaces it. They
-        are sent again in the order last kept: a dataset before the plans that name it."""
-        self._standing.pop(key, None)
+        to a daemon that restarted; a newer one under the same ``key`` replaces it."""
         self._standing[key] = {k: v for k, v in header.items() if k != "id"}
-
-    def keeps(self, key: str) -> bool:
-        """Whether a request is kept under ``key`` (see :meth:`keep`)."""
-        return key in self._standing
 
     def supports(self, feature: str) -> bool:
         """Whether the daemon's hello listed ``feature`` (False before the first hello)."""
