@@ -102,13 +102,12 @@ def announce(
     index = catalog.index(urls) if catalog is not None and conn.supports("datasets") else None
     if catalog is not None and index is not None:
         header |= {"dataset": catalog.id, "index": index}
-        told: Header = {"op": Op.DATASET, "dataset": catalog.id, "urls": catalog.urls}
         try:
             conn.request(header)
         except RemoteError as exc:
             if exc.code != ErrorCode.UNKNOWN_DATASET:
                 raise
-            conn.request(told)
+            conn.request({"op": Op.DATASET, "dataset": catalog.id, "urls": catalog.urls})
             conn.request(header)
     else:
         header["urls"] = list(urls)
