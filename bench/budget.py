@@ -83,18 +83,32 @@ def settings(args: argparse.Namespace) -> tuple[str, ...]:
     return ("bandwidth",) if args.store_mbps else SETTINGS
 
 
-def upload(endpoint: str, work: Path, count: int, size: int) -> list[str]:
-    """``count`` tar shards of about ``size`` bytes (16 samples each) in the bucket."""
+def against(args: argparse.Namespace) -> str:
+    """What a round's fill is set against."""
+    if args.store_mbps:
+        return f"the model's for {args.store_mbps:g} MB/s"
+    return f"what {args.limit:g}/s allows"
+
+
+def upload(endpoint: str, work: Path, count: int, size: int) -> tuple[list[str], int]:
+    """``count`` tar shards of about ``size`` bytes (16 samples each) in the bucket; their
+    URLs and their bytes in all."""
     shards = common.write_shards(work / "shards", count, count * 16, max(1, size // 16))
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     s3.create_bucket(Bucket=BUCKET)
     for path in shards.paths:
         s3.upload_file(str(path), BUCKET, path.name)
-    return [f"s3://{BUCKET}/{path.name}" for path in shards.paths]
+    return [f"s3://{BUCKET}/{path.name}" for path in shards.paths], shards.tar_bytes
 
 
 def one_round(
-    args: argparse.Namespace, setting: str, urls: list[str], proxy: FaultProxy, work: Path
+    args: argparse.Namespace,
+    setting: str,
+    urls: list[str],
+    proxy: FaultProxy,
+    work: Path,
+    *,
+    dataset: int,
 ) -> dict[str, Any]:
     """Start the nodes, let them prefetch at once, and measure at the store."""
     proxy.seen.clear()
@@ -131,7 +145,9 @@ def one_round(
             d.stop()
     load = proxy.limited_load()
     if setting == "bandwidth":
-        return bandwidth_result(args, proxy, work, wall, failed)
+        return bandwidth_result(args, proxy, dataset, wall, failed) | {
+            "most_in_1s": load.most_in_1s
+        }
     allowed = load.answered / args.limit
     return {
         "setting": setting,
@@ -148,12 +164,12 @@ def one_round(
 
 
 def bandwidth_result(
-    args: argparse.Namespace, proxy: FaultProxy, work: Path, wall: float, failed: int
+    args: argparse.Namespace, proxy: FaultProxy, dataset: int, wall: float, failed: int
 ) -> dict[str, Any]:
-    """A bandwidth-limited round: the fill at the store against the model's."""
+    """A bandwidth-limited round of ``dataset`` bytes: the fill at the store against the
+    model's."""
     first = min(s.at for s in proxy.seen)
     fill = proxy.link_done_at - first
-    dataset = sum(p.stat().st_size for p in (work / "shards").glob("*.tar"))
     predicted = cluster_sim.model(
         cluster_sim.Cluster(
             nodes=args.nodes,
@@ -180,7 +196,6 @@ def bandwidth_result(
         "ratio": fill / predicted.cold_fill_s,
         "wall_s": wall,
         "limited_by": predicted.limited_by,
-        "most_in_1s": proxy.limited_load().most_in_1s,
     }
 
 
@@ -191,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     with common.workdir("cached-budget-") as work, stores.s3_store(args.store, work) as store:
         common.log(store.describe())
         count = args.nodes * args.shards_per_node
-        urls = upload(store.endpoint_url, work, count, args.shard_kb << 10)
+        urls, dataset = upload(store.endpoint_url, work, count, args.shard_kb << 10)
         limit = (
             f"sends {args.store_mbps:g} MB/s in all"
             if args.store_mbps
@@ -208,14 +223,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 proxy.max_requests_per_s = args.limit
                 proxy.request_burst = args.nodes
-            against = "the model's" if args.store_mbps else "what the limit allows"
             for r in range(args.repeats):
                 for setting in settings(args) if r % 2 == 0 else settings(args)[::-1]:
-                    result = one_round(args, setting, urls, proxy, work)
+                    result = one_round(args, setting, urls, proxy, work, dataset=dataset)
                     rounds.append(result)
                     common.log(
                         f"  round {r + 1} {setting:5}: fill {result['fill_s']:.2f} s "
-                        f"({result['ratio']:.2f}x {against}), "
+                        f"({result['ratio']:.2f}x {against(args)}), "
                         f"{result['slowdowns']} SlowDowns, {result['failed_reads']} failed "
                         f"reads, at most {result['most_in_1s']} requests in a second"
                     )
@@ -229,13 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         failed = sum(r["failed_reads"] for r in mine)
         ok &= failed == 0
         common.log(
-            f"  {setting:5} fill {med['fill_s']:.2f} s, {med['ratio']:.2f}x what "
-            + (
-                f"the model gives for {args.store_mbps:g} MB/s"
-                if args.store_mbps
-                else f"{args.limit:g}/s allows"
-            )
-            + f", {med['slowdowns']:.0f} SlowDowns, {failed} failed reads"
+            f"  {setting:5} fill {med['fill_s']:.2f} s, {med['ratio']:.2f}x {against(args)}, "
+            f"{med['slowdowns']:.0f} SlowDowns, {failed} failed reads"
         )
     common.finish_run("budget", doc, started, args.out)
     return 0 if ok else 1

@@ -84,8 +84,13 @@ class Datasets:
         held.seen = self.clock()
         return held
 
+    def find(self, dataset_id: str) -> Dataset | None:
+        """The dataset named ``dataset_id``, if one is held (not counted as named)."""
+        return self._by_id.get(dataset_id)
+
     def get(self, dataset_id: str) -> Dataset:
-        """The dataset named ``dataset_id``; :class:`UnknownDataset` if none is held."""
+        """The dataset named ``dataset_id``, named now; :class:`UnknownDataset` if none
+        is held."""
         held = self._by_id.get(dataset_id)
         if held is None:
             raise UnknownDataset(

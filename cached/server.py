@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import zmq
 import zmq.asyncio
@@ -40,7 +40,7 @@ from cached_client.urls import check_all, parse
 from . import __version__, socketmode
 from .access import DEFAULT_ALLOW, Access
 from .bounds import Bounds
-from .datasets import Datasets, checked, resolve
+from .datasets import Dataset, Datasets, checked, resolve
 from .errors import CachedError, OutOfRange, ProtocolError, VersionMismatch
 from .fetcher import AHEAD, DEMAND, PREFETCH, Fetcher, shard_id
 from .jobs import JobBoard, Report
@@ -53,6 +53,7 @@ from .tiers.hot import HotTier, Shard, ShardCorrupt
 from .tiers.index import Member
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Plans longer than this are checked and indexed off the event loop (see _plan), and
 # headers larger than this are decoded off it.
@@ -128,6 +129,21 @@ def _checked_plan(key: str, urls: list[Any], cursor: int, job: str) -> Plan:
         raise ProtocolError("request field 'urls' must be a list of strings")
     check_all(urls)
     return prepare(key, urls, cursor=cursor, job=job)
+
+
+def _indexed_plan(
+    key: str, dataset: Dataset, index: str, cursor: int, job: str, *, most: int
+) -> Plan:
+    """The plan a request names by positions in ``dataset`` (its URLs were checked when
+    the dataset was told). Pure: runs in a worker thread for long plans."""
+    urls = resolve(dataset, index, most)
+    return prepare(key, urls, cursor=cursor, job=job, dataset=dataset.id)
+
+
+async def _off_loop_if(long: bool, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, in a worker thread where ``long``: a list of a million URLs
+    checked or indexed on the event loop would stall every other client for seconds."""
+    return await asyncio.to_thread(fn, *args, **kwargs) if long else fn(*args, **kwargs)
 
 
 def _listed(header: Header, most: int, what: str) -> list[Any]:
@@ -849,14 +865,12 @@ class Server:
         """A dataset's URL list, told once for the plans that name positions in it."""
         dataset_id = _str(header, "dataset")
         urls = _listed(header, self.max_plan_shards, "a dataset")
-        if dataset_id in self.datasets.ids():
-            # Held: its digest was checked then, and the plans resolve against its URLs,
-            # whatever these are.
-            dataset = self.datasets.get(dataset_id)
-        elif len(urls) > PLAN_OFFLOAD_URLS:
-            dataset = await asyncio.to_thread(checked, dataset_id, urls)
-        else:
-            dataset = checked(dataset_id, urls)
+        # One held: its digest was checked then, and the plans resolve against its URLs,
+        # whatever these are.
+        dataset = self.datasets.find(dataset_id)
+        if dataset is None:
+            long = len(urls) > PLAN_OFFLOAD_URLS
+            dataset = await _off_loop_if(long, checked, dataset_id, urls)
         user = client.user or client.ident.hex()
         self.dataset_urls.admit(client.ident, (user, dataset_id), len(dataset.urls), user)
         self.datasets.add(dataset)
@@ -865,29 +879,20 @@ class Server:
         key = _str(header, "plan")
         cursor = _int(header, "cursor") if "cursor" in header else 0
         job = str(header.get("job", ""))
-        # A long plan is checked and indexed in a worker thread, then published in steps:
-        # a million URLs would otherwise stall every other client for seconds.
+        # A long plan is checked and indexed in a worker thread, then published in steps.
         if "dataset" in header:
             dataset = self.datasets.get(_str(header, "dataset"))
             index = header.get("index")
             if not isinstance(index, str):  # empty for a reader with no shards this time
                 raise ProtocolError("request field 'index' must be a string")
-            if len(index) > PLAN_OFFLOAD_URLS * 4:
-                urls = await asyncio.to_thread(resolve, dataset, index, self.max_plan_shards)
-            else:
-                urls = resolve(dataset, index, self.max_plan_shards)
-            if len(urls) > PLAN_OFFLOAD_URLS:
-                plan = await asyncio.to_thread(
-                    prepare, key, urls, cursor=cursor, job=job, dataset=dataset.id
-                )
-            else:
-                plan = prepare(key, urls, cursor=cursor, job=job, dataset=dataset.id)
+            long = len(index) > PLAN_OFFLOAD_URLS * 4 * 4 // 3  # base64 of 4-byte positions
+            plan = await _off_loop_if(
+                long, _indexed_plan, key, dataset, index, cursor, job, most=self.max_plan_shards
+            )
         else:
             urls = _listed(header, self.max_plan_shards, "a plan")
-            if len(urls) > PLAN_OFFLOAD_URLS:
-                plan = await asyncio.to_thread(_checked_plan, key, urls, cursor, job)
-            else:
-                plan = _checked_plan(key, urls, cursor, job)
+            long = len(urls) > PLAN_OFFLOAD_URLS
+            plan = await _off_loop_if(long, _checked_plan, key, urls, cursor, job)
         ident, user = client.ident, client.user
         self.plan_quota.check(ident, key, 1, user)
         self.plan_urls.admit(ident, key, len(plan.urls), user)
