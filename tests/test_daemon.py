@@ -118,6 +118,36 @@ def test_capacity_is_never_exceeded_over_two_epochs(
     assert s3_server.count("GET", bucket) > 20
 
 
+def test_a_download_waits_for_the_evicted_files_to_leave_the_disk(
+    s3_server: S3Server, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An evicted file is unlinked by a worker thread; until that is done its bytes are on
+    the disk, and a download that needs them does not start writing (a loaded machine's
+    slow unlink made the directory pass the bound in a CI run)."""
+    shards = dataset_shards(6, 4, payload=30_000)
+    urls = upload(s3_server, bucket, shards)
+    size = max(len(b) for b in shards)
+    capacity = size * 2 + size // 2 + 2 * 65536  # two shards, with their margins
+    unlink = Path.unlink
+    slow: list[str] = []
+
+    def slow_unlink(self: Path, missing_ok: bool = False) -> None:
+        if self.name.endswith(".evicted"):
+            slow.append(self.name)
+            time.sleep(0.3)
+        unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", slow_unlink)
+    cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"cache.capacity": str(capacity)})
+    with thread_daemon(cfg) as d, DirWatcher(cfg.cache.dir) as watch:
+        conn = Connection(d.socket)
+        for url in urls:  # six shards through room for two: each evicts one
+            conn.request({"op": "open", "url": url, "stream": "s", "pin": False})
+        conn.close()
+    assert len(slow) >= 3
+    assert 0 < watch.max_bytes <= capacity
+
+
 def two_shard_tier(
     s3: S3Server, bucket: str, tmp_path: Path, shards: int, pin_wait_s: float
 ) -> tuple[list[str], Config]:

@@ -31,8 +31,10 @@ holds more than :attr:`HotTier.capacity_bytes`, the disk as it is: the smaller o
 free space, less ``[cache] min_free``), looked up again as other programs fill or free
 the disk. Too little room evicts by the policy; reservation waits only for readers to
 release pins (or the disk to free up), and fails with :class:`CacheFull` when they do not
-within the timeout. A write that still finds the disk full (ENOSPC) removes its partial
-file; the fetcher evicts and fetches again.
+within the timeout. An evicted file leaves the disk when its worker thread has unlinked
+it: a reservation that needs those bytes waits for that as well (not held to the timeout).
+A write that still finds the disk full (ENOSPC) removes its partial file; the fetcher
+evicts and fetches again.
 """
 
 from __future__ import annotations
@@ -439,7 +441,8 @@ class HotTier:
         self._used += delta_bytes
 
     async def changed(self, timeout_s: float) -> None:
-        """Wait until a shard is published, evicted or unpinned, or ``timeout_s`` passes."""
+        """Wait until a shard is published, evicted or unpinned, an evicted file is
+        unlinked, or ``timeout_s`` passes."""
         waiter = asyncio.ensure_future(self._change.wait())
         try:
             # asyncio.wait, not wait_for: it neither swallows a cancel of this task nor
@@ -508,14 +511,24 @@ class HotTier:
                 f"min_free {self.min_free_bytes}); lower min_free or use a larger disk"
             )
         if prefetch:
-            victims = self._admitted_victims(url, need)
-            if victims is None:
-                raise NotAdmitted(url)
-            for victim in victims:
-                self._evict(victim)
-            return self._open_writer(shard_id, info, need)
+            while True:
+                victims = self._admitted_victims(url, need)
+                if victims is None:
+                    raise NotAdmitted(url)
+                for victim in victims:
+                    self._evict(victim)
+                if self._fits_on_disk(need):
+                    return self._open_writer(shard_id, info, need)
+                await self.changed(DISK_LOOK_S)  # an evicted file's unlink ends
         deadline = time.monotonic() + (self.pin_wait_s if wait_s is None else wait_s)
-        while not self._make_room(need):
+        while True:
+            if self._make_room(need):
+                if self._fits_on_disk(need):
+                    return self._open_writer(shard_id, info, need)
+                # Room once the evicted files are unlinked: not a wait on readers, so it
+                # is not held to the deadline (a GET that answered waits this too).
+                await self.changed(DISK_LOOK_S)
+                continue
             left = deadline - time.monotonic()
             if left <= 0:
                 stats = self.stats()
@@ -534,7 +547,6 @@ class HotTier:
             # A publication, eviction or unpin wakes it; room freed on the disk by another
             # program does not, so it looks again now and then.
             await self.changed(min(left, DISK_LOOK_S))
-        return self._open_writer(shard_id, info, need)
 
     def disk_full(self, need: int) -> int:
         """A write found the disk full (ENOSPC) although the tier had room for it as it
@@ -605,6 +617,13 @@ class HotTier:
         """Whether ``need`` more bytes pass the capacity as last looked at."""
         return self._used + need > self._effective
 
+    def _fits_on_disk(self, need: int) -> bool:
+        """Whether ``need`` more bytes fit with the evicted files still being unlinked: an
+        eviction frees its bytes in the accounting at once (so no pass evicts more than it
+        needs), but they stay on the disk until the worker thread's unlink is done, and a
+        download may not start writing before (the hard bound)."""
+        return self._used + self._unlinking + need <= self._effective
+
     @property
     def capacity_bytes(self) -> int:
         """The bound the tier keeps now (the effective capacity): the smaller of ``[cache]
@@ -664,6 +683,7 @@ class HotTier:
 
         def unlinked(_done: object) -> None:
             self._unlinking -= size
+            self._notify()  # a reservation may wait for these bytes to leave the disk
 
         loop.run_in_executor(None, evicted.unlink, True).add_done_callback(unlinked)
 
