@@ -87,6 +87,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the daemons with [s3] verify_checksum = false: on a store without CRCs (RGW "
         "16.2) no MD5 of the bytes, as the bare clients (which verify nothing)",
     )
+    p.add_argument(
+        "--checksum",
+        choices=("CRC32", "CRC32C", "CRC64NVME"),
+        help="upload the objects with this full-object checksum, and run the daemons with "
+        "[s3] checksum_head = true, so that they check it (in C) instead of an MD5: the cost "
+        "of verification on a store that keeps checksums (S3, moto; RGW 16.2 keeps none)",
+    )
     p.add_argument("--out", type=Path, default=common.OUT_DIR, help="where the JSON goes")
     stores.add_argument(p)
     # Internal: one client's fetches, in a subprocess of its own.
@@ -262,10 +269,11 @@ def interpreter(client: str) -> str | None:
 
 
 def upload(
-    endpoint: str, sizes: Sequence[int], total_mb: int
+    endpoint: str, sizes: Sequence[int], total_mb: int, checksum: str | None = None
 ) -> tuple[dict[int, list[str]], dict[int, int]]:
     """``total_mb`` of WebDataset shards per size (at least one; 100 KB samples of random
-    bytes), keys ``<size>mb/<n>.tar``; and each size's exact object size in bytes."""
+    bytes), keys ``<size>mb/<n>.tar``, with the full-object ``checksum`` (None: none); and
+    each size's exact object size in bytes."""
     import boto3
 
     from cached.demo.tars import make_tar
@@ -281,8 +289,9 @@ def upload(
         body = make_tar([(f"s{i:05d}", {"bin": os.urandom(100_000)}) for i in range(samples)])
         nbytes[size] = len(body)
         keys[size] = [f"{size}mb/{i:04d}.tar" for i in range(max(1, total_mb // size))]
+        extra = {"ChecksumAlgorithm": checksum} if checksum else {}
         for key in keys[size]:
-            client.put_object(Bucket=BUCKET, Key=key, Body=body)
+            client.put_object(Bucket=BUCKET, Key=key, Body=body, **extra)
     return keys, nbytes
 
 
@@ -302,16 +311,18 @@ def run_daemon(
     native: bool,
     verify: bool,
     cpus: int | None = None,
+    checksum_head: bool = False,
 ) -> dict[str, float]:
     """A fresh daemon, an empty hot tier: every key prefetched, ``conc`` opens at once;
     ``native``: with ``[s3] native_fetch``; ``verify``: ``[s3] verify_checksum``;
-    ``cpus``: its threads pinned to that many CPUs."""
+    ``cpus``: its threads pinned to that many CPUs; ``checksum_head``: ``[s3]
+    checksum_head``."""
     from cached_client.protocol import Op
     from cached_client.transport import Connection
 
     run = work / "daemon"
     shutil.rmtree(run, ignore_errors=True)
-    s3 = {"native_fetch": native, "verify_checksum": verify}
+    s3 = {"native_fetch": native, "verify_checksum": verify, "checksum_head": checksum_head}
     fresh = common.s3_daemon(
         run, endpoint, "8GiB", s3=s3, prefetch={"concurrency": conc}, env={"PYTHONSAFEPATH": "1"}
     )
@@ -416,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with common.workdir("cached-bench-fetch-") as work, stores.s3_store(args.store, work) as store:
         common.log(store.describe())
         doc["store"] = store.kind
-        keys, nbytes = upload(store.endpoint_url, args.sizes, args.total_mb)
+        keys, nbytes = upload(store.endpoint_url, args.sizes, args.total_mb, args.checksum)
         mb = {size: nbytes[size] * len(keys[size]) / 1e6 for size in args.sizes}
         for size in args.sizes:
             for conc in args.concurrency:
@@ -432,6 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 native=native,
                                 verify=not args.no_verify,
                                 cpus=args.daemon_cpus,
+                                checksum_head=args.checksum is not None,
                             )
                         else:
                             try:

@@ -13,7 +13,6 @@ Objects in an archive storage class that are not restored raise :class:`ObjectAr
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import email.utils
 import hashlib
 import logging
@@ -49,6 +48,10 @@ log = logging.getLogger(__name__)
 # the size check only (their transport is still covered by TCP and TLS checksums). So do
 # encrypted objects whose ETag is not an MD5 although it looks like one: see _etag_is_md5.
 _PLAIN_MD5 = re.compile(r"^[0-9a-f]{32}$")
+# HEADs that find no full-object checksum, none having found one, before a native open
+# stops asking for one where the ETag is an MD5 (the store keeps none: RGW 16.2, older
+# MinIO); see S3Source._store_checksum.
+CHECKSUM_PROBES = 4
 # Hash in a worker thread above this size: hashlib releases the GIL, and a 16 MiB part
 # would otherwise hold the event loop for tens of milliseconds.
 _HASH_IN_THREAD_BYTES = 1 << 20
@@ -311,10 +314,26 @@ def _ask_for_checksum(params: dict[str, Any], **_: Any) -> None:
 
 
 class _OpenedNative(Opened):
-    """A native GET held at its headers (see :meth:`S3Source.open` ``landing``)."""
+    """A native GET held at its headers (see :meth:`S3Source.open` ``landing``), and the
+    HEAD that asks for the store's checksum of it, if one does
+    (:meth:`S3Source._store_checksum`)."""
+
+    def __init__(
+        self, info: ObjectInfo, response: Any, checksum: asyncio.Future[str | None] | None
+    ) -> None:
+        super().__init__(info, response)
+        self.checksum = checksum
+
+    def take_checksum(self) -> asyncio.Future[str | None] | None:
+        """The HEAD's answer to come, once (its taker awaits or cancels it)."""
+        checksum, self.checksum = self.checksum, None
+        return checksum
 
     def _discard(self, response: Any) -> None:
         response.abort()
+        checksum = self.take_checksum()
+        if checksum is not None:
+            checksum.cancel()
 
 
 def _as_response(headers: Mapping[str, str]) -> dict[str, Any]:
@@ -430,6 +449,12 @@ class S3Source(OwnsStack):
         self._native: native.NativeClient | None = None
         self._endpoint = ""
         self._aws = cfg.endpoint_url is None
+        # Whether the store keeps full-object checksums (None: not known yet), learned from
+        # the HEADs a native open sends for them (:meth:`_store_checksum`): how many were
+        # sent to find out, and how many found none.
+        self._keeps_checksums: bool | None = None
+        self._checksum_probes = 0
+        self._checksum_misses = 0
         # Reads from a streamed GET are gathered up to this size before the sink sees them:
         # fewer, larger writes and checksum calls downstream (bench/fetch_cpu.py, in git
         # history: 4 MiB took 0.95 ms of CPU per MB against 1.14 at 1 MiB), while memory
@@ -587,13 +612,11 @@ class S3Source(OwnsStack):
             raise
         if isinstance(response, native.NativeGet):
             try:
-                info = await self._with_checksum(
-                    self._describe(url, _as_response(response.headers.headers))
-                )
+                info = self._describe(url, _as_response(response.headers.headers))
             except BaseException:
                 response.abort()
                 raise
-            return _OpenedNative(info, response)
+            return _OpenedNative(info, response, self._store_checksum(info))
         try:
             info = self._describe(url, response)
         except BaseException:
@@ -601,19 +624,40 @@ class S3Source(OwnsStack):
             raise
         return _OpenedGet(info, response)
 
-    async def _with_checksum(self, info: ObjectInfo) -> ObjectInfo:
-        """``info`` from a native open, with the store's checksum where it needs one.
+    def _store_checksum(self, info: ObjectInfo) -> asyncio.Future[str | None] | None:
+        """The store's full-object checksum of a native open's object, asked for by a HEAD
+        that runs while the body comes (no latency added); None where none is asked for.
 
-        The CRT's GET asks for a range (its first part), and no store sends a full-object
-        checksum with a range. An ETag that is an MD5 checks the bytes without one; any
-        other (a multipart upload's) would leave the size alone, so a HEAD asks for it.
+        The open's GET is ranged (the CRT's first part), and no store sends a full-object
+        checksum with a range. An ETag that is no MD5 (a multipart upload's) leaves only the
+        size without one, so a HEAD always asks. A plain-MD5 ETag checks the bytes too, at
+        1.4 ms of CPU per MB against 0.05 for a CRC64NVME (D47): with ``[s3]
+        checksum_head`` a HEAD asks there too, one more request per object, unless the
+        store is known to keep none (the first :data:`CHECKSUM_PROBES` HEADs found none:
+        RGW 16.2).
         """
-        if not self._cfg.verify_checksum or _PLAIN_MD5.match((info.etag or "").lower()):
-            return info
+        if not self._cfg.verify_checksum:
+            return None
+        if _PLAIN_MD5.match((info.etag or "").lower()):
+            if not self._cfg.checksum_head or self._keeps_checksums is False:
+                return None
+            if self._keeps_checksums is None:
+                if self._checksum_probes >= CHECKSUM_PROBES:
+                    return None  # enough asked already: their answers will tell
+                self._checksum_probes += 1
+        return asyncio.ensure_future(self._checksum_by_head(info))
+
+    async def _checksum_by_head(self, info: ObjectInfo) -> str | None:
         described = await self.head(info.url)
         if described.version != info.version:
             raise ObjectChanged(f"{info.url}: the object changed while it was opened")
-        return dataclasses.replace(info, checksum=described.checksum)
+        if described.checksum is not None:
+            self._keeps_checksums = True
+        elif self._keeps_checksums is None:
+            self._checksum_misses += 1
+            if self._checksum_misses >= CHECKSUM_PROBES:
+                self._keeps_checksums = False
+        return described.checksum
 
     def _describe(self, url: str, response: dict[str, Any]) -> ObjectInfo:
         """The object as a HEAD's, or a whole-object GET's, headers describe it."""
@@ -666,12 +710,14 @@ class S3Source(OwnsStack):
         """
         self._require_client()
         if isinstance(opened, _OpenedNative):
-            held = opened.take()
+            held, checksum = opened.take(), opened.take_checksum()
             if into is not None and self._native is not None:
-                await self._fetch_native(info, into, held)
+                await self._fetch_native(info, into, held, checksum)
                 return True
             if held is not None:
                 held.abort()  # nowhere to write it natively: botocore asks again
+            if checksum is not None:
+                checksum.cancel()  # the botocore GET asks for the checksum itself
             opened = None
         elif into is not None and self._native is not None and not (opened and opened.unread):
             # A body already answering through botocore is read where it is: asking
@@ -711,13 +757,19 @@ class S3Source(OwnsStack):
                 await again()
 
     async def _fetch_native(
-        self, info: ObjectInfo, path: Path, held: native.NativeGet | None = None
+        self,
+        info: ObjectInfo,
+        path: Path,
+        held: native.NativeGet | None = None,
+        asked: asyncio.Future[str | None] | None = None,
     ) -> None:
         """GET the object into ``path`` through the native client, and verify it: the
         store's checksum by the CRT, else the MD5 of a plain ETag over the file, and the
         size. Each GET is retried whole (a failed one leaves holes, not a prefix).
         ``held``: the open's GET (:meth:`open`), whose body comes first, into its landing
-        file, which then replaces ``path``; it knew no checksum to ask the CRT for."""
+        file, which then replaces ``path``; it knew no checksum to ask the CRT for, and
+        ``asked``, the HEAD that asks the store for one, is awaited once the body is in
+        (its checksum, in C over the file, then stands for the MD5)."""
         client = self._native
         assert client is not None
         if info.size == 0:
@@ -725,6 +777,8 @@ class S3Source(OwnsStack):
             # whole); there is nothing to fetch, and an empty file is no tar either.
             if held is not None:
                 held.abort()
+            if asked is not None:
+                asked.cancel()
             await asyncio.to_thread(path.write_bytes, b"")
             return
         loc = _s3_location(info.url)
@@ -733,7 +787,7 @@ class S3Source(OwnsStack):
         etag = (info.etag or "").lower()
 
         async def get() -> native.Got:
-            nonlocal held
+            nonlocal held, asked, checksum
             first, held = held, None
             if first is None:
                 return await client.get(
@@ -741,6 +795,9 @@ class S3Source(OwnsStack):
                 )
             try:
                 got = await first.finish(info.size)
+                if asked is not None:
+                    head, asked = asked, None
+                    checksum = await head or checksum  # later attempts: the CRT checks it
                 intact = await asyncio.to_thread(_land, first.path, path, checksum)
             except BaseException:
                 first.path.unlink(missing_ok=True)
@@ -771,6 +828,8 @@ class S3Source(OwnsStack):
         finally:
             if held is not None:  # the open's GET never ran (a failure before it)
                 held.abort()
+            if asked is not None:
+                asked.cancel()
 
     def upload_part_size(self, size: int) -> int:
         """The part size :meth:`put` uses for a ``size``-byte multipart upload.
