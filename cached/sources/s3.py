@@ -645,7 +645,11 @@ class S3Source(OwnsStack):
                 if self._checksum_probes >= CHECKSUM_PROBES:
                     return None  # enough asked already: their answers will tell
                 self._checksum_probes += 1
-        return asyncio.ensure_future(self._checksum_by_head(info))
+        head = asyncio.ensure_future(self._checksum_by_head(info))
+        # A HEAD whose fetch failed first is cancelled, not awaited: its own failure, if
+        # any, is no news then (and asyncio would log it as never retrieved).
+        head.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return head
 
     async def _checksum_by_head(self, info: ObjectInfo) -> str | None:
         described = await self.head(info.url)
