@@ -466,8 +466,10 @@ def samples_for(total: int, size: int, shards: int, max_samples: int) -> int:
 
 @contextlib.contextmanager
 def workdir(prefix: str, keep: bool = False) -> Iterator[Path]:
-    """A temporary directory under /tmp, removed afterwards unless ``keep``."""
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    """A temporary directory under ``$TMPDIR`` (default /tmp: a short path, for the
+    daemons' ipc:// sockets), removed afterwards unless ``keep``. Point TMPDIR at another
+    file system to measure on it (the hot tiers and the peers' caches live here)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=os.environ.get("TMPDIR") or "/tmp"))
     try:
         yield path
     finally:
