@@ -715,13 +715,17 @@ class S3Source(OwnsStack):
         self._require_client()
         if isinstance(opened, _OpenedNative):
             held, checksum = opened.take(), opened.take_checksum()
-            if into is not None and self._native is not None:
-                await self._fetch_native(info, into, held, checksum)
-                return True
-            if held is not None:
-                held.abort()  # nowhere to write it natively: botocore asks again
-            if checksum is not None:
-                checksum.cancel()  # the botocore GET asks for the checksum itself
+            try:
+                if into is not None and self._native is not None:
+                    await self._fetch_native(info, into, held, checksum)
+                    return True
+                if held is not None:
+                    held.abort()  # nowhere to write it natively: botocore asks again
+            finally:
+                # Answered and used, or no longer wanted (a failure first, an empty object,
+                # or the botocore GET, which asks for the checksum itself).
+                if checksum is not None:
+                    checksum.cancel()
             opened = None
         elif into is not None and self._native is not None and not (opened and opened.unread):
             # A body already answering through botocore is read where it is: asking
@@ -773,7 +777,8 @@ class S3Source(OwnsStack):
         ``held``: the open's GET (:meth:`open`), whose body comes first, into its landing
         file, which then replaces ``path``; it knew no checksum to ask the CRT for, and
         ``asked``, the HEAD that asks the store for one, is awaited once the body is in
-        (its checksum, in C over the file, then stands for the MD5)."""
+        (its checksum, in C over the file, then stands for the MD5); the caller cancels
+        it if it is not."""
         client = self._native
         assert client is not None
         if info.size == 0:
@@ -781,8 +786,6 @@ class S3Source(OwnsStack):
             # whole); there is nothing to fetch, and an empty file is no tar either.
             if held is not None:
                 held.abort()
-            if asked is not None:
-                asked.cancel()
             await asyncio.to_thread(path.write_bytes, b"")
             return
         loc = _s3_location(info.url)
@@ -832,8 +835,6 @@ class S3Source(OwnsStack):
         finally:
             if held is not None:  # the open's GET never ran (a failure before it)
                 held.abort()
-            if asked is not None:
-                asked.cancel()
 
     def upload_part_size(self, size: int) -> int:
         """The part size :meth:`put` uses for a ``size``-byte multipart upload.

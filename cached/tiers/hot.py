@@ -622,7 +622,7 @@ class HotTier:
         eviction frees its bytes in the accounting at once (so no pass evicts more than it
         needs), but they stay on the disk until the worker thread's unlink is done, and a
         download may not start writing before (the hard bound)."""
-        return self._used + self._unlinking + need <= self._effective
+        return not self._short(need + self._unlinking)
 
     @property
     def capacity_bytes(self) -> int:
