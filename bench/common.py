@@ -262,6 +262,16 @@ def process_cpu(pid: int) -> tuple[float, float]:
     return int(fields[11]) / ticks, int(fields[12]) / ticks
 
 
+def processes_cpu(pids: Iterable[int]) -> float:
+    """User and system CPU seconds of the processes ``pids`` so far, together (one that
+    has exited counts nothing)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += sum(process_cpu(pid))
+    return total
+
+
 class Daemon(DaemonProcess):
     """``cached serve`` for a benchmark: its config, log and hot tier in ``workdir``."""
 

@@ -8,10 +8,12 @@ start here, else moto; bench/stores.py):
 
   cached            a real ``cached serve`` with an empty hot tier, asked to prefetch every
                     object (``open`` with ``prefetch``, ``--concurrency`` at once, its
-                    ``[prefetch] concurrency`` set to the same); what it does for a cold
-                    shard: GET, checksum, tar index, the file published atomically
-  cached-native     the same daemon with ``[s3] native_fetch = true``: a HEAD, then awscrt
-                    writes the GET straight into the hot tier's file, and one native pass
+                    ``[prefetch] concurrency`` one more: one slot is kept for demand
+                    misses); what it does for a cold shard: GET, checksum, tar index, the
+                    file published atomically
+  cached-native     the same daemon with ``[s3] native_fetch = true``: one GET, awscrt's,
+                    its headers describing the object and its body written straight into
+                    the hot tier's file, and one native pass
                     over the file indexes and checksums it (D42)
   awscrt            awscrt's ``S3Client`` (the AWS Common Runtime, native threads), each
                     object straight to a file (``recv_filepath``)
@@ -101,6 +103,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
     p.add_argument("--dest", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--keys", nargs="*", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--store-pids", type=int, nargs="*", default=[], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.small:
         args.sizes, args.total_mb, args.concurrency, args.repeats = [1, 4], 8, [4], 1
@@ -125,12 +128,16 @@ def run_worker(args: argparse.Namespace) -> int:
     )
     fetch = make(args.endpoint, args.dest)
     fetch([WARM], 1)  # set up and warmed (connections, credentials), untimed
+    store0 = common.processes_cpu(args.store_pids)
     user0, sys0 = cpu_times()
     wall0 = time.perf_counter()
     fetch(args.keys, args.concurrency[0])
     wall = time.perf_counter() - wall0
     user, system = cpu_times()
-    print(json.dumps({"wall_s": wall, "user_s": user - user0, "sys_s": system - sys0}))
+    got = {"wall_s": wall, "user_s": user - user0, "sys_s": system - sys0}
+    if args.store_pids:  # the store's CPU in the same interval (RGW's processes)
+        got["store_s"] = common.processes_cpu(args.store_pids) - store0
+    print(json.dumps(got))
     return 0
 
 
@@ -312,19 +319,27 @@ def run_daemon(
     verify: bool,
     cpus: int | None = None,
     checksum_head: bool = False,
+    store_pids: Sequence[int] = (),
 ) -> dict[str, float]:
     """A fresh daemon, an empty hot tier: every key prefetched, ``conc`` opens at once;
     ``native``: with ``[s3] native_fetch``; ``verify``: ``[s3] verify_checksum``;
     ``cpus``: its threads pinned to that many CPUs; ``checksum_head``: ``[s3]
-    checksum_head``."""
+    checksum_head``; ``store_pids``: the store's processes, whose CPU is read alike."""
     from cached_client.protocol import Op
     from cached_client.transport import Connection
 
     run = work / "daemon"
     shutil.rmtree(run, ignore_errors=True)
     s3 = {"native_fetch": native, "verify_checksum": verify, "checksum_head": checksum_head}
+    # One download slot is kept for demand misses (D15): ``conc`` prefetches at once, as
+    # many GETs as each bare client has in flight, take ``conc + 1`` slots.
     fresh = common.s3_daemon(
-        run, endpoint, "8GiB", s3=s3, prefetch={"concurrency": conc}, env={"PYTHONSAFEPATH": "1"}
+        run,
+        endpoint,
+        "8GiB",
+        s3=s3,
+        prefetch={"concurrency": conc + 1},
+        env={"PYTHONSAFEPATH": "1"},
     )
     socket = fresh.socket
     with fresh as daemon:
@@ -340,6 +355,7 @@ def run_daemon(
             )
             if cpus is not None:  # after the warm-up: the S3 clients' threads exist now
                 pin_threads(pid, cpus)
+            store0 = common.processes_cpu(store_pids)
             user0, sys0 = common.process_cpu(pid)
             wall0 = time.perf_counter()
             pending: list[int] = []
@@ -351,9 +367,12 @@ def run_daemon(
                 conn.wait(pending.pop(0))
             wall = time.perf_counter() - wall0
             user, system = common.process_cpu(pid)
+            got = {"wall_s": wall, "user_s": user - user0, "sys_s": system - sys0}
+            if store_pids:
+                got["store_s"] = common.processes_cpu(store_pids) - store0
         finally:
             conn.close()
-    return {"wall_s": wall, "user_s": user - user0, "sys_s": system - sys0}
+    return got
 
 
 class PeerFailed(RuntimeError):
@@ -361,14 +380,22 @@ class PeerFailed(RuntimeError):
 
 
 def run_client(
-    client: str, python: str, endpoint: str, keys: list[str], *, conc: int, work: Path
+    client: str,
+    python: str,
+    endpoint: str,
+    keys: list[str],
+    *,
+    conc: int,
+    work: Path,
+    store_pids: Sequence[int] = (),
 ) -> dict[str, float]:
     dest = work / "dest"
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir()
     done = subprocess.run(
         [python, str(Path(__file__).resolve()), "--worker", client, "--endpoint", endpoint,
-         "--dest", str(dest), "--concurrency", str(conc), "--keys", *keys],
+         "--dest", str(dest), "--concurrency", str(conc), "--keys", *keys,
+         "--store-pids", *map(str, store_pids)],
         capture_output=True, text=True, check=False, env={**os.environ, "PYTHONSAFEPATH": "1"},
     )  # fmt: skip
     if done.returncode != 0:
@@ -387,12 +414,23 @@ def check_files(dest: Path, keys: list[str], nbytes: int) -> None:
 def table(results: dict[tuple[int, int, str], list[dict[str, float]]], mb: dict[int, float]) -> str:
     lines = [
         f"{'size':>5} {'at once':>7} {'client':<17} {'MB/s':>7} {'user ms/MB':>11} "
-        f"{'sys ms/MB':>10} {'rate vs cached':>15} {'user vs cached':>15}"
+        f"{'sys ms/MB':>10} {'store ms/MB':>12} {'all ms/MB':>10} {'rate vs cached':>15} "
+        f"{'user vs cached':>15}"
     ]
     for (size, conc, client), runs in results.items():
         rate = statistics.median(mb[size] / r["wall_s"] for r in runs)
         user = statistics.median(1000 * r["user_s"] / mb[size] for r in runs)
         system = statistics.median(1000 * r["sys_s"] / mb[size] for r in runs)
+        if all("store_s" in r for r in runs):
+            # The store's CPU in the same interval, and the sum: on loopback, TCP's work on
+            # the received bytes runs in whichever end's thread gets to it first.
+            store = statistics.median(1000 * r["store_s"] / mb[size] for r in runs)
+            both = statistics.median(
+                1000 * (r["user_s"] + r["sys_s"] + r["store_s"]) / mb[size] for r in runs
+            )
+            machine = f"{store:>12.2f} {both:>10.2f}"
+        else:
+            machine = f"{'-':>12} {'-':>10}"
         base = results.get((size, conc, "cached"))
         if base:
             base_rate = statistics.median(mb[size] / r["wall_s"] for r in base)
@@ -402,7 +440,26 @@ def table(results: dict[tuple[int, int, str], list[dict[str, float]]], mb: dict[
             ratios = f"{'-':>15} {'-':>15}"
         lines.append(
             f"{size:>3}MB {conc:>7} {client:<17} {rate:>7.0f} {user:>11.2f} {system:>10.2f} "
-            + ratios
+            f"{machine} " + ratios
+        )
+    return "\n".join(lines)
+
+
+def paired(results: dict[tuple[int, int, str], list[dict[str, float]]]) -> str:
+    """The native daemon against bare awscrt round by round (the rounds alternate, so a
+    pair ran under the same load): the median of the rate ratios, and the rounds it was
+    ahead. Single rounds span 2x on a shared machine; the pairs say more than the medians
+    of each column."""
+    lines = []
+    for (size, conc, client), runs in results.items():
+        bare = results.get((size, conc, "awscrt"))
+        if client != "cached-native" or not bare:
+            continue
+        ratios = [b["wall_s"] / d["wall_s"] for d, b in zip(runs, bare, strict=False)]
+        lines.append(
+            f"{size:>3}MB {conc:>7} cached-native / awscrt, round by round: median "
+            f"{statistics.median(ratios):.2f}x, ahead in {sum(r >= 1 for r in ratios)} of "
+            f"{len(ratios)}"
         )
     return "\n".join(lines)
 
@@ -444,6 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 verify=not args.no_verify,
                                 cpus=args.daemon_cpus,
                                 checksum_head=args.checksum is not None,
+                                store_pids=store.pids,
                             )
                         else:
                             try:
@@ -454,6 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     keys[size],
                                     conc=conc,
                                     work=work,
+                                    store_pids=store.pids,
                                 )
                             except PeerFailed as exc:
                                 # A peer's crash is a figure of that peer (obstore has
@@ -470,8 +529,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         )
     common.log(
         f"\n{args.total_mb} MB of objects per size from {store.kind}, medians of "
-        f"{args.repeats} round(s); CPU per MB: the client's own process\n" + table(results, mb)
+        f"{args.repeats} round(s); CPU per MB: the client's own process (user, sys), the "
+        "store's processes in the same interval (store; RGW only) and all three together\n"
+        + table(results, mb)
     )
+    if pairs := paired(results):
+        common.log(pairs)
     doc["results"] = [
         {"size_mb": s, "concurrency": c, "client": n, "runs": r} for (s, c, n), r in results.items()
     ]

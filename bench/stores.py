@@ -42,6 +42,8 @@ class Store:
     requests: Callable[[str], Counter[str]]
     #: Why ``auto`` fell back to moto ("" when it did not).
     fallback: str = ""
+    #: The store's processes, whose CPU a benchmark may read (none for moto here).
+    pids: tuple[int, ...] = ()
 
     def describe(self) -> str:
         """One line for a benchmark's output: the engine and, for moto, the caveat."""
@@ -100,7 +102,7 @@ def _rgw() -> Iterator[Store]:
                 {m: server.count(m, f"^/{re.escape(bucket)}/.") for m in ("GET", "HEAD")}
             )
 
-        yield Store("rgw", server.endpoint_url, requests)
+        yield Store("rgw", server.endpoint_url, requests, pids=tuple(server.pids))
 
 
 @contextlib.contextmanager

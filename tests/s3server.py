@@ -32,6 +32,9 @@ class S3Server:
     #: Which engine answers: ``moto``, ``rgw`` or ``endpoint`` (given by URL, not counted).
     kind: str = "endpoint"
     requests: Counter[tuple[str, str]] = field(default_factory=Counter)
+    #: The store's own processes (RGW's daemons), for a benchmark to read their CPU time;
+    #: empty for moto (a thread of this process) and an endpoint given by URL.
+    pids: list[int] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # RGW: makes a marker request and waits until the ops log has shown it.
     _sync: Callable[[], None] | None = None
@@ -65,6 +68,7 @@ class S3Server:
 
         with RGW.start(frontend=frontend) as rgw:
             server = cls(rgw.endpoint_url, _client(rgw.endpoint_url), "rgw")
+            server.pids = list(rgw.pids.values())
             ops = OpsLog(rgw.root / "run" / "ops.sock", server._record)
             ops.start()
             marker_bucket = "cached-ops-sync"
