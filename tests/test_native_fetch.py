@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from aiobotocore.session import AioSession
+from botocore.exceptions import ClientError
 
 from cached.errors import FetchError, FetchTimeout, ObjectNotFound, VerifyError
 from cached.sources import native
@@ -571,3 +572,32 @@ async def test_a_closed_client_lets_go_of_its_threads_and_sockets(
         await asyncio.sleep(0.05)
     assert gone() is None
     assert not (tmp_path / "held").exists()
+
+
+async def test_each_get_is_signed_with_the_credentials_given_for_it(
+    rgw_server: S3Server, tmp_path: Path
+) -> None:
+    """The CRT signs each GET with the credentials the daemon's chain gives before it (in
+    C, with no call back into Python per part): rotated credentials are used from the
+    next GET on, and a wrong secret is refused by RGW, which checks signatures."""
+    bucket = rgw_server.new_bucket("signed-with-the-credentials-given")
+    rgw_server.put(bucket, "obj.tar", payload(MID))
+    secret = ["testing"]
+
+    async def credentials() -> tuple[str, str, str | None]:
+        return ("testing", secret[0], None)
+
+    endpoint = rgw_server.endpoint_url
+    client = native.NativeClient(s3cfg(endpoint), endpoint, credentials)
+    try:
+        await client.get(bucket, "obj.tar", tmp_path / "a", size=MID, etag=None, checksum=None)
+        assert (tmp_path / "a").read_bytes() == payload(MID)
+        secret[0] = "not-the-secret"
+        with pytest.raises(ClientError) as refused:
+            await client.get(bucket, "obj.tar", tmp_path / "b", size=MID, etag=None, checksum=None)
+        assert refused.value.response["Error"]["Code"] == "SignatureDoesNotMatch"
+        secret[0] = "testing"
+        await client.get(bucket, "obj.tar", tmp_path / "c", size=MID, etag=None, checksum=None)
+        assert (tmp_path / "c").read_bytes() == payload(MID)
+    finally:
+        client.close()

@@ -152,22 +152,21 @@ class NativeClient:
         self._host = parts.netloc
         self._virtual = cfg.addressing_style == "virtual"
         self._credentials = credentials
-        self._current: tuple[str, str, str | None] | None = None
-        self._lock = threading.Lock()
+        # The current credentials and a static provider of them, given to each request:
+        # the CRT signs its parts with it in C. A delegate provider would call into Python
+        # on a CRT thread for every part, each call a hand-off of the GIL.
+        self._signer: tuple[tuple[str, str, str | None], Any] | None = None
         elg = crtio.EventLoopGroup(num_threads=min(os.cpu_count() or 1, 4))
         bootstrap = crtio.ClientBootstrap(elg, crtio.DefaultHostResolver(elg))
         secure = parts.scheme == "https"
         part_size = self.part_size = part_size_for(cfg)
         modes = crts3.S3RequestTlsMode
-        provider = auth.AwsCredentialsProvider.new_delegate(self._signing_credentials)
+        # No signing config: each request brings its credentials (:meth:`_start`).
         self._client = crts3.S3Client(
             bootstrap=bootstrap,
             region=cfg.region,
             tls_mode=modes.ENABLED if secure else modes.DISABLED,
             tls_connection_options=_tls_options() if secure else None,
-            signing_config=crts3.create_default_s3_signing_config(
-                region=cfg.region, credential_provider=provider
-            ),
             part_size=part_size,
             max_active_connections_override=cfg.max_pool_connections,
             memory_limit=max(_MIN_MEMORY_LIMIT, part_size * cfg.part_concurrency * 2),
@@ -183,15 +182,6 @@ class NativeClient:
     def close(self) -> None:
         """Drop the client; the CRT shuts its threads down once its requests end."""
         self._client = None
-
-    def _signing_credentials(self) -> Any:
-        """The CRT's delegate: called on a CRT thread, it returns what the event loop
-        fetched last (:meth:`get` refreshes it before each request)."""
-        with self._lock:
-            current = self._current
-        if current is None:
-            raise RuntimeError("no AWS credentials for the native fetch path")
-        return auth.AwsCredentials(*current)
 
     def _target(self, bucket: str, key: str) -> tuple[str, str]:
         """The Host header and path of ``bucket``/``key`` (path-style unless asked)."""
@@ -251,8 +241,8 @@ class NativeClient:
         current = await self._credentials()
         if current is None:
             raise boto_exc.NoCredentialsError()
-        with self._lock:
-            self._current = current
+        if self._signer is None or self._signer[0] != current:
+            self._signer = (current, auth.AwsCredentialsProvider.new_static(*current))
         host, target = self._target(bucket, key)
         headers = [("Host", host)]
         if etag:
@@ -269,6 +259,7 @@ class NativeClient:
             type=crts3.S3RequestType.GET_OBJECT,
             request=http.HttpRequest("GET", target, http.HttpHeaders(headers)),
             recv_filepath=str(path),
+            credential_provider=self._signer[1],
             checksum_config=checksum_config,
             on_headers=got.on_headers,
             on_progress=got.on_progress,
