@@ -215,7 +215,11 @@ class NativeClient:
         back (not one byte written) until :meth:`NativeGet.finish`, or dropped by
         :meth:`NativeGet.abort`. One request both describes the object and brings it
         (D27), with no Python per byte. Raises as :meth:`get` does (404, 403...) when the
-        store answers with an error instead."""
+        store answers with an error instead.
+
+        The CRT gives the headers once its first part (up to :attr:`part_size`) is in its
+        memory: a dropped body has crossed the link that far (a whole shard up to 8 MiB),
+        and the next GET brings it again."""
         request = await self._start(bucket, key, path, etag=None, checksum=None, hold=True)
         try:
             await request.answered()
@@ -275,8 +279,10 @@ class NativeGet:
 
     Its callbacks run on CRT threads. Held (``hold``), the headers callback waits there,
     for :data:`HOLD_S` at most, until the event loop lets the body come (:meth:`finish`)
-    or drops it (:meth:`abort`): the CRT thread then reads nothing more from that
-    connection, so no byte lands before the caller decided (the tier's hard bound).
+    or drops it (:meth:`abort`): no byte lands on disk before the caller decided (the
+    tier's hard bound). The first part is in the CRT's memory by then (its memory limit
+    bounds it), and while the callback waits, that CRT thread serves none of its other
+    connections.
     """
 
     def __init__(self, path: Path, read_timeout_s: float, hold: bool) -> None:
