@@ -69,6 +69,7 @@ bench: $(STAMP)
 	$(PY) bench/seed.py --repeats 3 --torch-threads 1
 	$(PY) bench/bounds_rss.py
 	$(PY) bench/fetch.py
+	$(PY) bench/fetch.py --sizes 16 4 --concurrency 4 --rate 400 --clients cached-native cached awscrt
 	$(PY) bench/plan_wire.py
 	$(PY) bench/budget.py
 	$(PY) bench/budget.py --nodes 8 --shards-per-node 16 --shard-kb 1024 --store-mbps 40
@@ -81,6 +82,7 @@ bench-small: $(STAMP) $(PEERS_STAMP)
 	$(PY) bench/epochs.py --small
 	$(PY) bench/cache_sim.py --small
 	$(PY) bench/fetch.py --small
+	$(PY) bench/fetch.py --small --rate 200
 	$(PY) bench/plan_wire.py --small
 	$(PY) bench/budget.py --small
 	$(PY) bench/budget.py --small --store-mbps 10 --shard-kb 256

@@ -7,10 +7,11 @@ round, each over the same objects of the same store (``--store``: Ceph RGW where
 start here, else moto; bench/stores.py):
 
   cached            a real ``cached serve`` with an empty hot tier, asked to prefetch every
-                    object (``open`` with ``prefetch``, ``--concurrency`` at once, its
-                    ``[prefetch] concurrency`` one more: one slot is kept for demand
-                    misses); what it does for a cold shard: GET, checksum, tar index, the
-                    file published atomically
+                    object (``open`` with ``prefetch``, twice ``--concurrency`` queued, as
+                    ``cached prefetch`` does; its ``[prefetch] concurrency`` one more than
+                    ``--concurrency``, since one slot is kept for demand misses: so its
+                    GETs in flight are as many as each bare client's); what it does for a
+                    cold shard: GET, checksum, tar index, the file published atomically
   cached-native     the same daemon with ``[s3] native_fetch = true``: one GET, awscrt's,
                     its headers describing the object and its body written straight into
                     the hot tier's file, and one native pass
@@ -28,8 +29,11 @@ Each client but the daemon runs in a subprocess of its own (the peers from
 with one line), which times only its fetches and reports its own user and system CPU for
 them (``getrusage``: every thread of the process). The daemon's CPU is read from
 ``/proc/<pid>/stat`` around the prefetch. Fill rate: bytes on disk / wall time, first
-request to last file closed. Kernel time is the same work for every client (socket reads,
-page cache) and varies with the machine's memory state; user time is each client's own.
+request to last file closed. Each round removes the previous round's files just before
+its interval and writes out what is dirty (``make_room``: on a VM that hands free pages
+back to its host, the time since they were freed decides what writing into the page cache
+costs). Kernel time is the same work for every client (socket reads, page cache); user
+time is each client's own.
 
     python bench/fetch.py                       # 1, 4, 16, 64 MB objects, 1 and 8 at once
     python bench/fetch.py --sizes 16 --concurrency 4 --repeats 5
@@ -40,6 +44,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import resource
@@ -48,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,7 +62,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import common, stores
+from bench import common, shaping, stores
 
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "bench-fetch"
@@ -84,6 +91,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "fill scales with cores",
     )
     p.add_argument(
+        "--rate",
+        type=float,
+        help="MB/s: the store's responses limited to this on loopback (tc htb by its port; "
+        "bench/shaping.py), so that the link, not this machine's cores, bounds the fill",
+    )
+    p.add_argument(
         "--no-verify",
         action="store_true",
         help="the daemons with [s3] verify_checksum = false: on a store without CRCs (RGW "
@@ -102,6 +115,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--worker", choices=CLIENTS[len(DAEMONS) :], help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
     p.add_argument("--dest", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--stale", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--keys", nargs="*", default=[], help=argparse.SUPPRESS)
     p.add_argument("--store-pids", type=int, nargs="*", default=[], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -113,6 +127,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 # -- the workers: one client each, in a process of its own ------------------------------------
+
+
+def make_room(stale: Path | None) -> None:
+    """Remove the previous round's files (``stale``) now, just before this round's
+    interval, and write out what is dirty.
+
+    The page cache this round fills then takes the pages those files just gave up. On a
+    VM that reports free pages to its host (virtio-balloon's free page reporting, as
+    here), a page free for more than about half a second has gone back to the host, and
+    writing into it again costs 5-10x the system time (0.2 ms/MB into pages just freed,
+    1-2 ms/MB after a 3 s pause, measured with plain ``pwrite``). Removed at each round's
+    start, the files left the daemon, which starts up for a second or two after that,
+    writing into returned pages in most rounds, and the bare clients in few."""
+    if stale is not None:
+        shutil.rmtree(stale, ignore_errors=True)
+    os.sync()  # no earlier round's writeback inside this one's interval
 
 
 def cpu_times() -> tuple[float, float]:
@@ -128,6 +158,7 @@ def run_worker(args: argparse.Namespace) -> int:
     )
     fetch = make(args.endpoint, args.dest)
     fetch([WARM], 1)  # set up and warmed (connections, credentials), untimed
+    make_room(args.stale)
     store0 = common.processes_cpu(args.store_pids)
     user0, sys0 = cpu_times()
     wall0 = time.perf_counter()
@@ -313,23 +344,23 @@ def run_daemon(
     endpoint: str,
     keys: list[str],
     conc: int,
-    work: Path,
+    run: Path,
     *,
+    stale: Path | None,
     native: bool,
     verify: bool,
     cpus: int | None = None,
     checksum_head: bool = False,
     store_pids: Sequence[int] = (),
 ) -> dict[str, float]:
-    """A fresh daemon, an empty hot tier: every key prefetched, ``conc`` opens at once;
+    """A fresh daemon in ``run``, an empty hot tier: every key prefetched, ``conc`` GETs
+    at once, after the previous round's files (``stale``) are removed;
     ``native``: with ``[s3] native_fetch``; ``verify``: ``[s3] verify_checksum``;
     ``cpus``: its threads pinned to that many CPUs; ``checksum_head``: ``[s3]
     checksum_head``; ``store_pids``: the store's processes, whose CPU is read alike."""
     from cached_client.protocol import Op
     from cached_client.transport import Connection
 
-    run = work / "daemon"
-    shutil.rmtree(run, ignore_errors=True)
     s3 = {"native_fetch": native, "verify_checksum": verify, "checksum_head": checksum_head}
     # One download slot is kept for demand misses (D15): ``conc`` prefetches at once, as
     # many GETs as each bare client has in flight, take ``conc + 1`` slots.
@@ -355,13 +386,16 @@ def run_daemon(
             )
             if cpus is not None:  # after the warm-up: the S3 clients' threads exist now
                 pin_threads(pid, cpus)
+            make_room(stale)
             store0 = common.processes_cpu(store_pids)
             user0, sys0 = common.process_cpu(pid)
             wall0 = time.perf_counter()
             pending: list[int] = []
             todo = list(urls)
+            # Opens queued ahead, as `cached prefetch` keeps them: the daemon's download
+            # slots, not this loop, hold its GETs to ``conc``.
             while todo or pending:
-                while todo and len(pending) < conc:
+                while todo and len(pending) < 2 * conc:
                     request = {"op": Op.OPEN, "url": todo.pop(0), "stream": "fill", "pin": False}
                     pending.append(conn.send({**request, "prefetch": True}))
                 conn.wait(pending.pop(0))
@@ -386,16 +420,18 @@ def run_client(
     keys: list[str],
     *,
     conc: int,
-    work: Path,
+    dest: Path,
+    stale: Path | None,
     store_pids: Sequence[int] = (),
 ) -> dict[str, float]:
-    dest = work / "dest"
-    shutil.rmtree(dest, ignore_errors=True)
+    """``client``'s fetch of ``keys`` into ``dest`` in a process of its own, after the
+    previous round's files (``stale``) are removed."""
     dest.mkdir()
+    stale_args = [] if stale is None else ["--stale", str(stale)]
     done = subprocess.run(
         [python, str(Path(__file__).resolve()), "--worker", client, "--endpoint", endpoint,
          "--dest", str(dest), "--concurrency", str(conc), "--keys", *keys,
-         "--store-pids", *map(str, store_pids)],
+         "--store-pids", *map(str, store_pids), *stale_args],
         capture_output=True, text=True, check=False, env={**os.environ, "PYTHONSAFEPATH": "1"},
     )  # fmt: skip
     if done.returncode != 0:
@@ -481,22 +517,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             pythons[client] = python
     clients = [c for c in args.clients if c in DAEMONS or c in pythons]
     results: dict[tuple[int, int, str], list[dict[str, float]]] = {}
-    with common.workdir("cached-bench-fetch-") as work, stores.s3_store(args.store, work) as store:
+    with (
+        common.workdir("cached-bench-fetch-") as work,
+        stores.s3_store(args.store, work) as store,
+        contextlib.ExitStack() as stack,
+    ):
         common.log(store.describe())
         doc["store"] = store.kind
         keys, nbytes = upload(store.endpoint_url, args.sizes, args.total_mb, args.checksum)
         mb = {size: nbytes[size] * len(keys[size]) / 1e6 for size in args.sizes}
+        doc["link"] = "loopback, unlimited"
+        if args.rate:  # shaped once the objects are in
+            port = urllib.parse.urlsplit(store.endpoint_url).port
+            assert port is not None
+            doc["link"] = stack.enter_context(shaping.loopback_port_shaped(port, args.rate * 8))
+        common.log(f"link: {doc['link']}")
+        rounds = itertools.count()
+        stale: Path | None = None  # the previous round's files, removed by the next
         for size in args.sizes:
             for conc in args.concurrency:
-                for _ in range(args.repeats):
-                    for client in clients:  # in turn: load drifts hit each alike
+                for repeat in range(args.repeats):
+                    # In turn, and every other round in reverse: load drifts hit each alike,
+                    # and no client always runs right after the same one.
+                    for client in clients if repeat % 2 == 0 else clients[::-1]:
+                        out = work / f"round-{next(rounds)}"
                         if client in DAEMONS:
                             native = client == "cached-native"
                             got = run_daemon(
                                 store.endpoint_url,
                                 keys[size],
                                 conc,
-                                work,
+                                out,
+                                stale=stale,
                                 native=native,
                                 verify=not args.no_verify,
                                 cpus=args.daemon_cpus,
@@ -511,7 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     store.endpoint_url,
                                     keys[size],
                                     conc=conc,
-                                    work=work,
+                                    dest=out,
+                                    stale=stale,
                                     store_pids=store.pids,
                                 )
                             except PeerFailed as exc:
@@ -520,8 +573,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 # round is left out of its medians, and said.
                                 doc.setdefault("peer_failures", []).append(str(exc))
                                 common.log(f"  {size} MB, {conc} at once, {exc}")
+                                stale = out
                                 continue
-                            check_files(work / "dest", keys[size], nbytes[size])
+                            check_files(out, keys[size], nbytes[size])
+                        stale = out
                         results.setdefault((size, conc, client), []).append(got)
                         common.log(  # progress: one line a run
                             f"  {size} MB, {conc} at once, {client}: "

@@ -308,6 +308,44 @@ def measure_request_ms(endpoint_url: str, times: int = 5) -> float:
     return statistics.median(secs) * 1000
 
 
+# -- one port on loopback (htb) ----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def loopback_port_shaped(port: int, rate_mbit: float) -> Iterator[str]:
+    """What a server on 127.0.0.1:``port`` sends, limited to ``rate_mbit`` (10^6 bits/s,
+    all its connections together), for a store that cannot move into a namespace: Ceph
+    RGW, whose cluster talks over loopback too (its traffic to the OSD stays unlimited).
+
+    An ``htb`` root on ``lo``: the default class is unlimited, the second holds the
+    packets from ``port`` (``u32`` on the source port) at the rate. Yields a description;
+    ``lo`` goes back to no qdisc on exit. Needs root and ``tc``; one such run at a time
+    (a second replaces the first's root)."""
+    if why := netns_unavailable():
+        raise RuntimeError(f"cannot shape loopback: {why}")
+    burst = "256kb"  # above loopback's 64 KiB packets, or htb holds them back
+    try:
+        _run("tc", "qdisc", "replace", "dev", "lo", "root", "handle", "1:", "htb", "default", "10")
+        _run("tc", "class", "add", "dev", "lo", "parent", "1:", "classid", "1:10", "htb",
+             "rate", "100gbit")  # fmt: skip
+        _run("tc", "class", "add", "dev", "lo", "parent", "1:", "classid", "1:20", "htb",
+             "rate", f"{rate_mbit:g}mbit", "ceil", f"{rate_mbit:g}mbit",
+             "burst", burst, "cburst", burst)  # fmt: skip
+        _run("tc", "filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "u32",
+             "match", "ip", "sport", str(port), "0xffff", "flowid", "1:20")  # fmt: skip
+    except _SetupError as exc:
+        _unshape_loopback()
+        raise RuntimeError(f"cannot shape loopback: {exc}") from exc
+    try:
+        yield f"tc htb on lo: from port {port} at {rate_mbit:g} mbit/s, burst {burst}"
+    finally:
+        _unshape_loopback()
+
+
+def _unshape_loopback() -> None:
+    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, check=False)
+
+
 # -- netns + tc tbf ---------------------------------------------------------------------------
 
 
