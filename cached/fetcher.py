@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar, cast
 from .errors import CachedError, CacheFull, FetchError
 from .lookups import Lookups
 from .metrics import Metrics
-from .slots import DEMAND, PREFETCH, PrioritySlots
+from .slots import DEMAND, PREFETCH, Held, PrioritySlots
 from .sources.base import ObjectChanged, ObjectInfo, Opened, Rewind, Sink
 from .sources.retry import StoreUnavailable
 from .tiers.checks import Checks
@@ -323,6 +323,7 @@ class Fetcher:
         then the download from its body, unless the hot tier has that shard already or
         another download of it is under way (None: the body is closed unread)."""
         await self._slot(opening.priority, url, url)
+        held = Held(self._slots)
         try:
             try:
                 opened = await self.sources.open(url, self.hot.landing())
@@ -341,9 +342,9 @@ class Fetcher:
                 opening.info.set_result(info)
                 if not claimed:
                     return None
-                return await self._download(sid, info, opening.priority, opened)
+                return await self._download(sid, info, opening.priority, held, opened)
         finally:
-            self._slots.release()
+            held.give_back()
 
     def _claim(self, sid: str, info: ObjectInfo) -> bool:
         """Whether the running opening is to download ``sid`` from its GET's body: not
@@ -494,21 +495,22 @@ class Fetcher:
     async def _fetch(self, sid: str, info: ObjectInfo, priority: int) -> Shard:
         """Download a shard whose version is known: a slot, room, a GET (``If-Match``)."""
         await self._slot(priority, sid, info.url)
+        held = Held(self._slots)
         try:
-            return await self._download(sid, info, priority)
+            return await self._download(sid, info, priority, held)
         finally:
-            self._slots.release()
+            held.give_back()
 
     async def _download(
-        self, sid: str, info: ObjectInfo, priority: int, opened: Opened | None = None
+        self, sid: str, info: ObjectInfo, priority: int, held: Held, opened: Opened | None = None
     ) -> Shard:
         """Reserve room for the shard and stream it in, from ``opened``'s body if given,
-        for a caller that holds a download slot; counted, logged, and promoted from the
-        cold tier if that is asked for."""
+        under the download slot ``held`` (see :meth:`_stream_in`); counted, logged, and
+        promoted from the cold tier if that is asked for."""
         tier = info.tier
         started = time.monotonic()
         try:
-            shard = await self._stream_in(sid, info, priority, opened)
+            shard = await self._stream_in(sid, info, priority, held, opened)
         except CachedError as exc:
             self.metrics.fetches.labels(tier, type(exc).__name__).inc()
             # A shard that failed must be looked up again next time (it may be fixed).
@@ -538,18 +540,24 @@ class Fetcher:
         return shard
 
     async def _stream_in(
-        self, sid: str, info: ObjectInfo, priority: int, opened: Opened | None
+        self, sid: str, info: ObjectInfo, priority: int, held: Held, opened: Opened | None
     ) -> Shard:
         """Reserve room and stream the shard into the hot tier. A write that finds the
         disk full (ENOSPC: the room the tier saw was taken meanwhile) removes its partial
         file, evicts by the policy, and the download starts over with a new GET, up to
-        :data:`DISK_FULL_ATTEMPTS` in all."""
+        :data:`DISK_FULL_ATTEMPTS` in all.
+
+        The download slot ``held`` is given back once the bytes are in and verified: the
+        index and the publication that follow are local work, and the next GET starts
+        meanwhile (D48). The room stays reserved until the shard is published."""
         for attempt in range(1, DISK_FULL_ATTEMPTS + 1):
+            await held.take(priority, sid)  # a new GET after a full disk: a slot again
             writer = await self._reserve(sid, info, priority, opened)
             try:
                 wrote = await self.sources.fetch(
                     info, writer.write, rewind=writer.rewind, opened=opened, into=writer.path
                 )
+                held.give_back()
                 # wrote: the source wrote the file itself (the native path)
                 return await writer.publish(info.size if wrote else None)
             except OSError as exc:

@@ -88,3 +88,27 @@ class PrioritySlots:
             self._waiters.remove(chosen)
             self._free -= 1
             chosen.fut.set_result(None)
+
+
+class Held:
+    """One download's hold on a slot of ``slots``, taken before it is made: given back
+    with :meth:`give_back` (at most once per take), and taken again with :meth:`take`
+    for another GET."""
+
+    __slots__ = ("_held", "_slots")
+
+    def __init__(self, slots: PrioritySlots) -> None:
+        self._slots = slots
+        self._held = True
+
+    async def take(self, priority: int, key: str = "") -> None:
+        """Hold a slot again, if it was given back (``acquire``'s arguments)."""
+        if not self._held:
+            await self._slots.acquire(priority, key)
+            self._held = True
+
+    def give_back(self) -> None:
+        """Release the slot, unless it is not held."""
+        if self._held:
+            self._held = False
+            self._slots.release()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from cached.fetcher import Fetcher
 from cached.metrics import Metrics
 from cached.policy import LRUPolicy
 from cached.sources.chain import TierChain
-from cached.tiers.hot import HotTier
+from cached.tiers.hot import HotTier, Shard, ShardWriter
 from tests.daemon import daemon_config, dataset_shards, thread_daemon
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server
@@ -89,10 +90,12 @@ def test_a_resident_shard_is_revalidated_with_a_head_and_not_fetched_again(
 
 
 @asynccontextmanager
-async def running_fetcher(chain: TierChain, tmp_path: Path) -> AsyncIterator[Fetcher]:
+async def running_fetcher(
+    chain: TierChain, tmp_path: Path, concurrency: int = 4
+) -> AsyncIterator[Fetcher]:
     hot = HotTier(tmp_path / "hot", 1 << 30, 0, LRUPolicy())
     hot.load()
-    fetcher = Fetcher(chain, hot, 4, Metrics())
+    fetcher = Fetcher(chain, hot, concurrency, Metrics())
     try:
         yield fetcher
     finally:
@@ -222,3 +225,44 @@ def test_a_get_that_finds_the_store_down_starts_an_outage_and_residents_are_serv
         wait_for(lambda: d.call(d.daemon.fetcher.store_status)["reachable"])
         assert len(list(read_shard(conn, urls[1], "d"))) == 5
         conn.close()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["botocore", "native"])
+async def test_a_download_gives_its_slot_back_once_its_bytes_are_in(
+    s3_server: S3Server, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """One slot for prefetches (two, one kept for demand): while the first shard's
+    publication (its index, its rename) is held back, the second shard's GET runs and
+    its bytes come in. The slots bound the GETs in flight, not the local work after them
+    (D48); both shards are then published whole."""
+    urls = upload(s3_server, bucket, dataset_shards(2, 5, payload=2000))
+    go_on = asyncio.Event()
+    publishing: list[str] = []
+    publish = ShardWriter.publish
+
+    async def held_back(writer: ShardWriter, written: int | None = None) -> Shard:
+        publishing.append(writer.shard.url)
+        await go_on.wait()
+        return await publish(writer, written)
+
+    monkeypatch.setattr(ShardWriter, "publish", held_back)
+
+    async def until(check: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 10
+        while not check():
+            assert time.monotonic() < deadline, f"timed out; publishing: {publishing}"
+            await asyncio.sleep(0.02)
+
+    cfg = s3cfg(s3_server.endpoint_url, native_fetch=native)
+    async with TierChain(cfg) as chain, running_fetcher(chain, tmp_path, 2) as fetcher:
+        first = asyncio.create_task(fetcher.prefetch(urls[0]))
+        await until(lambda: publishing == urls[:1])
+        second = asyncio.create_task(fetcher.prefetch(urls[1]))
+        await until(lambda: publishing == urls)  # its GET came while the first was held
+        go_on.set()
+        assert await first and await second
+        for url in urls:
+            shard = fetcher.resident(await chain.head(url))
+            assert shard is not None and shard.index is not None
+            assert len(shard.index.samples) == 5 and shard.index.checksummed
+    assert asked(s3_server, bucket)["GET"] == 2

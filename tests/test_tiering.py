@@ -28,6 +28,7 @@ from cached.demo.tars import make_tar
 from cached.errors import CacheFull
 from cached.fetcher import DEMAND, PREFETCH, PrioritySlots
 from cached.policy import LRUPolicy
+from cached.slots import Held
 from cached.sources.base import ObjectInfo
 from cached.tiers.hot import HotTier, reservation_bytes
 from tests.daemon import (
@@ -544,6 +545,24 @@ async def test_download_slots_keep_one_for_demand_and_order_prefetches_by_need()
     await asyncio.sleep(0)
     assert order[-1] == "late"
     await asyncio.gather(*tasks, demand)
+
+
+async def test_a_held_slot_goes_back_once_and_is_taken_again_for_another_get() -> None:
+    """A download gives its slot back when its bytes are in, and again when it ends: the
+    slot is freed once. A new GET after that (a full disk's retry) waits for a slot."""
+    slots = PrioritySlots(1)
+    await slots.acquire(DEMAND, "a")
+    held = Held(slots)
+    held.give_back()
+    held.give_back()  # the download ends: nothing more to free
+    await slots.acquire(DEMAND, "b")  # the one slot, to another download
+    again = asyncio.create_task(held.take(DEMAND, "a"))
+    await asyncio.sleep(0.05)
+    assert not again.done()  # one slot, and it is taken: freed twice, it would be free
+    slots.release()
+    await asyncio.wait_for(again, 1)
+    held.give_back()
+    await asyncio.wait_for(slots.acquire(DEMAND, "c"), 1)
 
 
 def test_an_open_ahead_waits_for_the_prefetcher_and_never_fetches_by_itself(
