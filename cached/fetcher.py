@@ -81,6 +81,7 @@ class SourceLike(Protocol):
         rewind: Rewind | None = None,
         opened: Opened | None = None,
         into: Path | None = None,
+        landed: Callable[[], None] | None = None,
     ) -> bool: ...
 
     def promote_enabled(self, info: ObjectInfo) -> bool: ...
@@ -547,15 +548,26 @@ class Fetcher:
         file, evicts by the policy, and the download starts over with a new GET, up to
         :data:`DISK_FULL_ATTEMPTS` in all.
 
-        The download slot ``held`` is given back once the bytes are in and verified: the
-        index and the publication that follow are local work, and the next GET starts
-        meanwhile (D48). The room stays reserved until the shard is published."""
+        The download slot ``held`` is given back once the bytes are in (before a check
+        over the file, the MD5 of an ETag, on the native path): that check, the index and
+        the publication are local work, and the next GET starts meanwhile (D48). The room
+        stays reserved until the shard is published."""
         for attempt in range(1, DISK_FULL_ATTEMPTS + 1):
             await held.take(priority, sid)  # a new GET after a full disk: a slot again
             writer = await self._reserve(sid, info, priority, opened)
+
+            async def again(writer: ShardWriter = writer) -> None:
+                await held.take(priority, sid)  # a GET again after a failed check
+                await writer.rewind()
+
             try:
                 wrote = await self.sources.fetch(
-                    info, writer.write, rewind=writer.rewind, opened=opened, into=writer.path
+                    info,
+                    writer.write,
+                    rewind=again,
+                    opened=opened,
+                    into=writer.path,
+                    landed=held.give_back,
                 )
                 held.give_back()
                 # wrote: the source wrote the file itself (the native path)

@@ -45,6 +45,11 @@ class PrioritySlots:
         self._waiters: list[_Waiter] = []  # short (a few per download slot): scanned
         self._seq = itertools.count()
 
+    @property
+    def free(self) -> int:
+        """Slots free now."""
+        return self._free
+
     async def acquire(self, priority: int, key: str = "") -> None:
         """Wait for a slot. ``key`` names the waiter for :meth:`promote` and ``urgency``."""
         waiter = _Waiter(priority, next(self._seq), key, asyncio.get_running_loop().create_future())

@@ -25,6 +25,7 @@ from cached.demo.tars import make_tar
 from cached.fetcher import Fetcher
 from cached.metrics import Metrics
 from cached.policy import LRUPolicy
+from cached.sources import s3 as s3_module
 from cached.sources.chain import TierChain
 from cached.tiers.hot import HotTier, Shard, ShardWriter
 from tests.daemon import daemon_config, dataset_shards, thread_daemon
@@ -227,6 +228,14 @@ def test_a_get_that_finds_the_store_down_starts_an_outage_and_residents_are_serv
         conn.close()
 
 
+async def until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait (without blocking the event loop) until ``check()`` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
 @pytest.mark.parametrize("native", [False, True], ids=["botocore", "native"])
 async def test_a_download_gives_its_slot_back_once_its_bytes_are_in(
     s3_server: S3Server, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool
@@ -246,13 +255,6 @@ async def test_a_download_gives_its_slot_back_once_its_bytes_are_in(
         return await publish(writer, written)
 
     monkeypatch.setattr(ShardWriter, "publish", held_back)
-
-    async def until(check: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + 10
-        while not check():
-            assert time.monotonic() < deadline, f"timed out; publishing: {publishing}"
-            await asyncio.sleep(0.02)
-
     cfg = s3cfg(s3_server.endpoint_url, native_fetch=native)
     async with TierChain(cfg) as chain, running_fetcher(chain, tmp_path, 2) as fetcher:
         first = asyncio.create_task(fetcher.prefetch(urls[0]))
@@ -266,3 +268,39 @@ async def test_a_download_gives_its_slot_back_once_its_bytes_are_in(
             assert shard is not None and shard.index is not None
             assert len(shard.index.samples) == 5 and shard.index.checksummed
     assert asked(s3_server, bucket)["GET"] == 2
+
+
+async def test_the_md5_over_the_file_runs_without_a_download_slot(
+    s3_server: S3Server, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The native path checks an MD5 ETag over the file once the GET is in: that reads
+    the disk, not the link, so the slot goes back first and the next GET runs meanwhile
+    (D48). A hash that does not match fetches the shard again, under a slot again; in
+    the end every slot is free."""
+    urls = upload(s3_server, bucket, dataset_shards(2, 5, payload=2000))
+    go_on = threading.Event()
+    hashed: list[Path] = []
+    md5_of_file = s3_module._md5_of_file
+
+    def held_back(path: Path) -> str:
+        hashed.append(path)
+        if len(hashed) == 1:
+            go_on.wait(20)
+            return "0" * 32  # damaged in transit, as far as the check can tell
+        return md5_of_file(path)
+
+    monkeypatch.setattr(s3_module, "_md5_of_file", held_back)
+    cfg = s3cfg(s3_server.endpoint_url, native_fetch=True)
+    async with TierChain(cfg) as chain, running_fetcher(chain, tmp_path, 2) as fetcher:
+        first = asyncio.create_task(fetcher.prefetch(urls[0]))
+        await until(lambda: len(hashed) == 1)
+        second = asyncio.create_task(fetcher.prefetch(urls[1]))
+        await until(lambda: len(hashed) == 2)  # its GET came while the first was hashed
+        go_on.set()
+        assert await first and await second
+        assert len(hashed) == 3  # the first, fetched again
+        for url in urls:
+            shard = fetcher.resident(await chain.head(url))
+            assert shard is not None and shard.index is not None and shard.index.checksummed
+        await until(lambda: fetcher._slots.free == 2)
+    assert asked(s3_server, bucket)["GET"] == 3

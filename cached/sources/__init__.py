@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -117,10 +118,13 @@ class Sources(OwnsStack):
         rewind: Rewind | None = None,
         opened: Opened | None = None,
         into: Path | None = None,
+        landed: Callable[[], None] | None = None,
     ) -> bool:
         """Stream ``info.url`` from its tier into ``sink`` (see :meth:`Source.fetch`)."""
         source = await self.source_for(info.url)
-        return await source.fetch(info, sink, rewind=rewind, opened=opened, into=into)
+        return await source.fetch(
+            info, sink, rewind=rewind, opened=opened, into=into, landed=landed
+        )
 
 
 def _warmed_session() -> AioSession | None:

@@ -128,13 +128,18 @@ class Source(Protocol):
         rewind: Rewind | None = None,
         opened: Opened | None = None,
         into: Path | None = None,
+        landed: Callable[[], None] | None = None,
     ) -> bool:
         """Stream the object's bytes, in order, into ``sink``; verify size and checksum.
 
         ``into``: the file the bytes are bound for. A source that can write them there
         itself, with no Python per byte (the native S3 path), does so, leaves ``sink``
         unused and returns True; the file then holds exactly the verified object, not
-        synced. Otherwise the bytes go to ``sink`` and the result is False.
+        synced. Otherwise the bytes go to ``sink`` and the result is False. ``landed()``
+        is called when every byte is in ``into`` and a check over the file is left (the
+        MD5 of an ETag): the caller may give back what it holds for the transfer (its
+        download slot, D48); a fetch again after a failed check calls ``rewind()``
+        first.
 
         ``opened``: the :meth:`open` that described ``info``; its body is streamed
         rather than asking again (the caller still closes it, if it is not taken).

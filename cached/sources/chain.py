@@ -179,6 +179,7 @@ class TierChain(OwnsStack):
         rewind: Rewind | None = None,
         opened: Opened | None = None,
         into: Path | None = None,
+        landed: Callable[[], None] | None = None,
     ) -> bool:
         """Stream the object from the tier :meth:`head` (or :meth:`open`) found it in
         into ``sink``.
@@ -187,7 +188,9 @@ class TierChain(OwnsStack):
         guarantees and errors (which name the URL actually read).
         """
         if info.source_url is None:
-            return await self._warm.fetch(info, sink, rewind=rewind, opened=opened, into=into)
+            return await self._warm.fetch(
+                info, sink, rewind=rewind, opened=opened, into=into, landed=landed
+            )
         source_url = info.source_url
         source = (
             await self._cold_source(source_url)
@@ -196,7 +199,12 @@ class TierChain(OwnsStack):
         )
         # The sources read info.url; hand them the info as the tier itself knows it.
         return await source.fetch(
-            dataclasses.replace(info, url=source_url), sink, rewind=rewind, opened=opened, into=into
+            dataclasses.replace(info, url=source_url),
+            sink,
+            rewind=rewind,
+            opened=opened,
+            into=into,
+            landed=landed,
         )
 
     def promote_enabled(self, info: ObjectInfo) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -87,6 +88,7 @@ class FileSource(OwnsStack):
         rewind: Rewind | None = None,
         opened: Opened | None = None,
         into: Path | None = None,
+        landed: Callable[[], None] | None = None,
     ) -> bool:
         """Stream the file into ``sink`` in chunks, in order.
 
@@ -94,8 +96,8 @@ class FileSource(OwnsStack):
         size differs from ``info.size`` (before or while reading), :class:`ObjectChanged`
         if it was rewritten (same size, new mtime) since :meth:`head`. At most
         ``info.size`` bytes ever reach the sink. ``rewind`` is unused: a file has no
-        checksum to fail; so is ``opened``, which holds no open file, and ``into``: the
-        bytes always go to the sink (False).
+        checksum to fail; so is ``opened``, which holds no open file, and ``into`` and
+        ``landed``: the bytes always go to the sink (False).
         """
         path = _path(info.url)
         try:

@@ -691,6 +691,7 @@ class S3Source(OwnsStack):
         rewind: Rewind | None = None,
         opened: Opened | None = None,
         into: Path | None = None,
+        landed: Callable[[], None] | None = None,
     ) -> bool:
         """Stream the object into ``sink`` in order, then verify size and (plain) MD5.
 
@@ -717,7 +718,9 @@ class S3Source(OwnsStack):
             held, checksum = opened.take(), opened.take_checksum()
             try:
                 if into is not None and self._native is not None:
-                    await self._fetch_native(info, into, held, checksum)
+                    await self._fetch_native(
+                        info, into, held, checksum, landed=landed, again=rewind
+                    )
                     return True
                 if held is not None:
                     held.abort()  # nowhere to write it natively: botocore asks again
@@ -730,7 +733,7 @@ class S3Source(OwnsStack):
         elif into is not None and self._native is not None and not (opened and opened.unread):
             # A body already answering through botocore is read where it is: asking
             # again would cost a request and its first bytes' latency.
-            await self._fetch_native(info, into)
+            await self._fetch_native(info, into, landed=landed, again=rewind)
             return True
 
         async def stream() -> None:
@@ -770,6 +773,9 @@ class S3Source(OwnsStack):
         path: Path,
         held: native.NativeGet | None = None,
         asked: asyncio.Future[str | None] | None = None,
+        *,
+        landed: Callable[[], None] | None = None,
+        again: Rewind | None = None,
     ) -> None:
         """GET the object into ``path`` through the native client, and verify it: the
         store's checksum by the CRT, else the MD5 of a plain ETag over the file, and the
@@ -778,7 +784,8 @@ class S3Source(OwnsStack):
         file, which then replaces ``path``; it knew no checksum to ask the CRT for, and
         ``asked``, the HEAD that asks the store for one, is awaited once the body is in
         (its checksum, in C over the file, then stands for the MD5); the caller cancels
-        it if it is not."""
+        it if it is not. ``landed`` and ``again``: as :meth:`fetch`'s ``landed`` and
+        ``rewind``, around the MD5 over the file."""
         client = self._native
         assert client is not None
         if info.size == 0:
@@ -826,12 +833,14 @@ class S3Source(OwnsStack):
                 ) from exc
             md5 = checksum is None and verify and _PLAIN_MD5.match(etag)
             if md5 and _etag_is_md5(_as_response(got.headers), self._aws):
+                if landed is not None:
+                    landed()  # the hash reads the file, not the link
                 found = await asyncio.to_thread(_md5_of_file, path)
                 if found != etag:
                     raise _md5_mismatch(info.url, etag, found)
 
         try:
-            await self._until_intact(fetch, self._policy.attempts, None)
+            await self._until_intact(fetch, self._policy.attempts, again)
         finally:
             if held is not None:  # the open's GET never ran (a failure before it)
                 held.abort()
