@@ -69,7 +69,7 @@ bench: $(STAMP)
 	$(PY) bench/seed.py --repeats 3 --torch-threads 1
 	$(PY) bench/bounds_rss.py
 	$(PY) bench/fetch.py
-	$(PY) bench/fetch.py --sizes 16 4 --concurrency 4 --rate 400 --clients cached-native cached awscrt
+	$(PY) bench/fetch.py --sizes 16 4 --concurrency 4 --rate 400 --clients cached-native cached awscrt awscrt-indexed
 	$(PY) bench/plan_wire.py
 	$(PY) bench/budget.py
 	$(PY) bench/budget.py --nodes 8 --shards-per-node 16 --shard-kb 1024 --store-mbps 40

@@ -31,9 +31,11 @@ class _DaemonPeer(base.Peer):
                 "s3": {"endpoint_url": self.spec.endpoint, "addressing_style": "path"},
             },
         )
-        daemon = DaemonProcess(
-            config, socket, env=base.aws_env(self.spec.endpoint), log=work / "daemon.log"
-        )
+        # PYTHONSAFEPATH: the daemon imports `cached` as installed (or from PYTHONPATH),
+        # not from the working directory (the repository root, where the runner starts):
+        # so an A/B of two checkouts through PYTHONPATH reaches it, as in bench/fetch.py.
+        env = {**base.aws_env(self.spec.endpoint), "PYTHONSAFEPATH": "1"}
+        daemon = DaemonProcess(config, socket, env=env, log=work / "daemon.log")
         daemon.start()
         assert daemon.proc is not None
         self.daemon, self.daemon_pid = daemon, daemon.proc.pid
