@@ -210,10 +210,12 @@ def _awscrt(endpoint: str, dest: Path, indexed: bool = False) -> Fetch:
         part_size=8 << 20,
     )
 
-    from cached.tiers.scan import index_file
+    if indexed:  # bare awscrt imports and starts nothing more
+        from cached.tiers.scan import index_file
 
-    # The daemon indexes in asyncio's default executor: as many threads (min(32, cpus + 4)).
-    pool = concurrent.futures.ThreadPoolExecutor()
+        # The daemon indexes in asyncio's default executor: as many threads (min(32,
+        # cpus + 4)).
+        pool = concurrent.futures.ThreadPoolExecutor()
 
     def go(keys: list[str], conc: int) -> None:
         todo = list(keys)
