@@ -106,6 +106,10 @@ REPORT_GRACE_S = LOADER_TIMEOUT_S + 30
 STOP_TIMEOUT_S = 20.0
 # After the load, how long the daemon's descriptors may take to settle to the idle set.
 SETTLE_S = 20.0
+# Descriptors the count under load moves by with no leak: the downloads in flight and the
+# S3 clients' connection pools. A leak is per request or per connection, and a soak makes
+# thousands of each; the exact check is after the load, against the idle set.
+FD_SLACK = 2
 # A unit that raised this many times stops (the rest of the soak goes on).
 MAX_ERRORS_PER_UNIT = 3
 # Examples kept per kind of finding (the counts are always complete).
@@ -1576,11 +1580,13 @@ def evaluate(
         # Shard maps move with evictions and publishes (bounded by the resident shards,
         # checked exactly after the load); the rest moves by the downloads in flight. A
         # leak lifts the typical count at the end above the reference's highest, and
-        # keeps lifting it: the fitted trend from the reference on gains a descriptor or
-        # more. Either alone is noise (a 5 s reference window can catch a narrow range of
-        # downloads in flight: 60-62 then a median of 63, a trend of +0.1 over the run).
+        # keeps lifting it: the fitted trend from the reference on gains descriptors.
+        # Either alone is noise, and so is a step of FD_SLACK with a trend as small (a
+        # 5 s reference window can catch a narrow range of downloads in flight: 60-62
+        # then a median of 63, a trend of +0.1; 111-112 then 113, +1.3, in CI).
         "fds: no growth": (
-            other_end["n"] > 0 and (other_end["median"] <= other_ref["max"] or gained_fds < 1),
+            other_end["n"] > 0
+            and (other_end["median"] <= other_ref["max"] + FD_SLACK or gained_fds < FD_SLACK),
             f"{fds_ref['min']:.0f}-{fds_ref['max']:.0f} at {args.ref_at:.0f}s, "
             f"{fds_end['min']:.0f}-{fds_end['max']:.0f} at the end; other than shard maps: "
             f"{other_ref['min']:.0f}-{other_ref['max']:.0f}, then median "

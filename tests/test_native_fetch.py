@@ -6,6 +6,7 @@ stalled store, a full disk, cancellation). No mocks: every failure crossed a soc
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -272,6 +273,34 @@ async def test_an_open_not_fetched_leaves_no_file_and_ends_its_request(
     assert len(proxy.requests("GET")) == 2
     # The 404's own GET says so: no HEAD after it (a cold tier asks next, D42).
     assert proxy.requests("HEAD") == []
+
+
+async def test_a_dropped_body_leaves_no_error_in_the_log(
+    proxy: FaultProxy, s3_server: S3Server, bucket: str, aio_session: Any, tmp_path: Path
+) -> None:
+    """A held body that is not wanted ends its CRT request with an error of its own making;
+    nobody awaits that end, and asyncio must not report it ("Future exception was never
+    retrieved", an ERROR with a traceback in the daemon's log) once the request is gone."""
+    s3_server.put(bucket, "obj.tar", payload(MID))
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        async with Native(proxy.endpoint_url, aio_session) as src:
+            for n in range(3):
+                async with await src.open(f"s3://{bucket}/obj.tar", tmp_path / f"{n}.partial"):
+                    pass  # not fetched: the body is dropped
+                for _ in range(200):  # the CRT ends the request
+                    if proxy.in_flight == 0:
+                        break
+                    await asyncio.sleep(0.01)
+                assert proxy.in_flight == 0
+        await asyncio.sleep(0.2)  # the requests' ends reach the loop
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+    assert [c.get("message") for c in reported] == []
 
 
 @pytest.mark.parametrize("fault", ["cut", "corrupt"])
