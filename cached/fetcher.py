@@ -32,6 +32,7 @@ from typing import Any, Protocol, TypeVar, cast
 from .errors import CachedError, CacheFull, FetchError
 from .lookups import Lookups
 from .metrics import Metrics
+from .once import seen
 from .slots import DEMAND, PREFETCH, Held, PrioritySlots
 from .sources.base import ObjectChanged, ObjectInfo, Opened, Rewind, Sink
 from .sources.retry import StoreUnavailable
@@ -110,13 +111,6 @@ class _Opening:
     priority: int
     info: asyncio.Future[ObjectInfo]
     task: asyncio.Task[Shard | None] | None = None
-
-
-def _retrieve(done: asyncio.Future[Any]) -> None:
-    """Mark a failure as seen: one that nobody waits for any more (every asker gone)
-    was logged where it happened, and must not come back as "never retrieved"."""
-    if not done.cancelled():
-        done.exception()
 
 
 class Fetcher:
@@ -295,7 +289,7 @@ class Fetcher:
     def _start_opening(self, url: str, priority: int) -> _Opening:
         loop = asyncio.get_running_loop()
         opening = _Opening(priority, loop.create_future())
-        opening.info.add_done_callback(_retrieve)
+        opening.info.add_done_callback(seen)
         task = loop.create_task(self._fetch_opened(url, opening), name=f"fetch {url}")
         opening.task = task
         self._opening[url] = opening
@@ -305,7 +299,7 @@ class Fetcher:
             if self._opening.get(url) is opening:
                 del self._opening[url]
                 self._urls.pop(url, None)
-            _retrieve(done)
+            seen(done)
             if opening.info.done():
                 return
             # It ended before the headers came: cancelled (a shutdown), or a bug.

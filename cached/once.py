@@ -1,4 +1,5 @@
-"""One task per key: callers asking for the same thing at once await one task."""
+"""One task per key: callers asking for the same thing at once await one task; and a
+future's failure marked seen where nobody may be left to await it."""
 
 from __future__ import annotations
 
@@ -25,3 +26,12 @@ async def joined(
         tasks[key] = task
         task.add_done_callback(lambda _t: tasks.pop(key, None))
     return await asyncio.shield(task)
+
+
+def seen(done: asyncio.Future[Any]) -> None:
+    """Mark a failure as seen (a done callback): one that nobody awaits any more (every
+    asker gone, or a request ended on purpose) was logged or handled where it happened,
+    and must not come back as asyncio's "Future exception was never retrieved". Awaiters
+    still get it."""
+    if not done.cancelled():
+        done.exception()

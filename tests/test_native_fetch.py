@@ -25,7 +25,7 @@ from cached.sources.s3 import S3Source
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server
 from tests.test_disk import small_disk
-from tests.test_sources import MID, PART, SMALL, payload, s3cfg
+from tests.test_sources import MID, PART, SMALL, payload, s3cfg, settles
 
 pytestmark = [
     pytest.mark.stores,
@@ -261,11 +261,8 @@ async def test_an_open_not_fetched_leaves_no_file_and_ends_its_request(
         async with await src.open(f"s3://{bucket}/obj.tar", landing) as opened:
             assert opened.info.size == MID
         assert not landing.exists()
-        for _ in range(200):  # the CRT drops the held connection
-            if proxy.in_flight == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert proxy.in_flight == 0
+        # The CRT drops the held connection.
+        assert await asyncio.to_thread(settles, lambda: proxy.in_flight == 0)
         gone = f"s3://{bucket}/gone.tar"
         with pytest.raises(ObjectNotFound):
             await src.open(gone, tmp_path / "gone.partial")
@@ -290,11 +287,8 @@ async def test_a_dropped_body_leaves_no_error_in_the_log(
             for n in range(3):
                 async with await src.open(f"s3://{bucket}/obj.tar", tmp_path / f"{n}.partial"):
                     pass  # not fetched: the body is dropped
-                for _ in range(200):  # the CRT ends the request
-                    if proxy.in_flight == 0:
-                        break
-                    await asyncio.sleep(0.01)
-                assert proxy.in_flight == 0
+                # The CRT ends the request.
+                assert await asyncio.to_thread(settles, lambda: proxy.in_flight == 0)
         await asyncio.sleep(0.2)  # the requests' ends reach the loop
         gc.collect()
         await asyncio.sleep(0)

@@ -45,6 +45,7 @@ from botocore import exceptions as boto_exc
 
 from ..config import S3Config
 from ..errors import VerifyError
+from ..once import seen
 
 try:
     from awscrt import auth, http
@@ -269,9 +270,8 @@ class NativeClient:
             on_progress=got.on_progress,
         )
         got.finished = asyncio.wrap_future(got.request.finished_future)
-        # A dropped body's request ends with an error nobody awaits (abort() does not wait):
-        # seen here, asyncio does not report it as never retrieved. Awaiters still get it.
-        got.finished.add_done_callback(_seen)
+        # A dropped body's request ends with an error nobody awaits (abort() does not wait).
+        got.finished.add_done_callback(seen)
         # On the CRT's thread, or here if it is over already: even with no loop left.
         got.request.finished_future.add_done_callback(got.ended)
         return got
@@ -402,11 +402,6 @@ class _Dropped(Exception):
 def _unlink(path: Path) -> None:
     with suppress(OSError):
         path.unlink()
-
-
-def _seen(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _settle(future: asyncio.Future[Got], got: Got) -> None:
