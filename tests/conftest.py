@@ -9,6 +9,7 @@ fault proxy sits in front of either store. One server of each kind per session.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -53,6 +54,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def _clean_aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """A developer's own AWS config must not leak into the tests."""
     isolate_env(monkeypatch)
+
+
+@pytest.fixture(autouse=True)
+def _no_log_handler_outlives_its_test() -> Iterator[None]:
+    """A test that runs the command line in-process (``logs.setup``) leaves the root
+    logger writing to that test's captured stderr, closed once it ends: every later log
+    line then prints a "Logging error" traceback, on the thread that logged (a daemon's
+    event loop, once per shard). The handlers a test added go with it; pytest's own
+    capture handlers are pytest's to remove."""
+    root = logging.getLogger()
+    before = set(root.handlers)
+    yield
+    for handler in list(root.handlers):
+        if handler not in before and not type(handler).__module__.startswith("_pytest"):
+            root.removeHandler(handler)
 
 
 @pytest.fixture(scope="session")
