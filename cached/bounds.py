@@ -26,6 +26,12 @@ class Bounds:
     max_leases_per_user: int = ServerConfig.max_leases_per_user
     max_leases: int = ServerConfig.max_leases
     max_pinned_share_per_user: float = ServerConfig.max_pinned_share_per_user
+    max_plan_bytes_per_user: int = ServerConfig.max_plan_bytes_per_user
+    max_plan_bytes: int = ServerConfig.max_plan_bytes
+    max_dataset_bytes_per_user: int = ServerConfig.max_dataset_bytes_per_user
+    max_dataset_bytes: int = ServerConfig.max_dataset_bytes
+    max_reply_bytes_per_user: int = ServerConfig.max_reply_bytes_per_user
+    max_reply_bytes: int = ServerConfig.max_reply_bytes
 
     @classmethod
     def from_config(cls, server: ServerConfig) -> Bounds:
@@ -58,6 +64,25 @@ class Bounds:
             total=Cap(self.max_plan_urls, "[server] max_plan_urls"),
         )
 
+    def memory_quotas(self) -> MemoryQuotas:
+        """What requests leave in the daemon's memory, in bytes (cached/weights.py), per
+        user and in total: plans' and datasets' URL lists, and replies waiting."""
+
+        def quota(what: str, kind: str) -> Quota:
+            user, total = f"max_{kind}_bytes_per_user", f"max_{kind}_bytes"
+            return Quota(
+                what,
+                per_user=Cap(getattr(self, user), f"[server] {user}"),
+                total=Cap(getattr(self, total), f"[server] {total}"),
+                show=format_size,
+            )
+
+        return MemoryQuotas(
+            plans=quota("of plans", "plan"),
+            datasets=quota("of datasets", "dataset"),
+            replies=quota("of replies waiting", "reply"),
+        )
+
     def lease_quotas(self, capacity_bytes: int) -> tuple[Quota, Quota]:
         """Leases counted (per connection, per user, in total), and the bytes of the shards
         they pin per user (a share of the hot tier's ``capacity_bytes``)."""
@@ -79,3 +104,12 @@ class Bounds:
             show=format_size,
         )
         return leases, pinned
+
+
+@dataclass(frozen=True)
+class MemoryQuotas:
+    """The byte quotas of :meth:`Bounds.memory_quotas`."""
+
+    plans: Quota
+    datasets: Quota
+    replies: Quota

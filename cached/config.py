@@ -113,6 +113,16 @@ class ServerConfig:
     max_plan_urls: int = 8_000_000
     max_leases_per_user: int = 16384
     max_leases: int = 65536
+    # The same in bytes of the daemon's memory (cached/weights.py: a URL's string and 420
+    # bytes of index a planned URL; docs/operations.md gives the worst-case RSS they make):
+    # the plans' URL lists, the datasets' URL lists (told apart from the plans), and the
+    # replies waiting in the daemon for clients that do not take them (Peer.backlog).
+    max_plan_bytes_per_user: int = _size("2GiB")
+    max_plan_bytes: int = _size("4GiB")
+    max_dataset_bytes_per_user: int = _size("512MiB")
+    max_dataset_bytes: int = _size("1GiB")
+    max_reply_bytes_per_user: int = _size("1GiB")
+    max_reply_bytes: int = _size("2GiB")
     # The bytes one user's leases may pin, as a share of the hot tier's bound when the
     # daemon started (computed once).
     max_pinned_share_per_user: float = 0.75
@@ -258,6 +268,10 @@ _ALIASES = {
     "lookahead": "lookahead_bytes",
     "part_size": "part_size_bytes",
 }
+# [server]'s caps in bytes of the daemon's memory: each must be positive.
+_BYTE_CAPS = tuple(
+    f"max_{w}_bytes{s}" for w in ("plan", "dataset", "reply") for s in ("_per_user", "")
+)
 _POLICIES = ("belady", "lru")  # cached.policy.POLICIES; kept here so config imports nothing
 
 
@@ -339,6 +353,12 @@ def _validate(cfg: Config) -> None:
             f"{where}: [s3] max_requests_per_s must be a number of requests per second "
             f"(0: no limit), not {cfg.s3.max_requests_per_s}"
         )
+    for key in _BYTE_CAPS:
+        if getattr(cfg.server, key) <= 0:
+            raise ConfigError(
+                f'{where}: [server] {key} must be a positive size such as "1GiB" '
+                "(it caps what requests leave in the daemon's memory)"
+            )
     share = cfg.server.max_pinned_share_per_user
     if not 0 < share <= 1:
         raise ConfigError(

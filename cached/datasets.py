@@ -2,10 +2,13 @@
 (issue 24, item 5; docs/protocol.md, "Datasets").
 
 A dataset is named by the digest of its URLs (``cached_client.catalog.catalog_id``), which
-the daemon checks, so one copy serves every job that reads it, and no client can make a
-name stand for URLs it did not send. A dataset stays while a plan names it, and for
-``timeout_s`` after it was last told or named; its URLs count against the telling user's
-``[server] max_plan_urls_per_user`` and the daemon's ``max_plan_urls`` (``bounds``).
+the daemon checks, so no client can make a name stand for URLs it did not send. Datasets
+are held per user (cached/owners.py): one copy serves every job of the user that told it,
+and another user's plans can name only the datasets that user told, so each user's lists
+count against its own caps and no one keeps another's alive. A dataset stays while a plan
+names it, and for ``timeout_s`` after it was last told or named; its URLs count against
+the telling user's ``[server] max_plan_urls_per_user`` and ``max_dataset_bytes_per_user``
+and the daemon's ``max_plan_urls`` and ``max_dataset_bytes`` (``bounds``).
 
 Plain data, no I/O: the server calls it from its event loop.
 """
@@ -20,6 +23,12 @@ from cached_client.catalog import catalog_id, decode_index
 from cached_client.urls import check_all
 
 from .errors import UnknownDataset
+from .owners import scoped
+
+
+def key(dataset_id: str, owner: str) -> str:
+    """The key ``owner``'s dataset ``dataset_id`` is held under (a plan's ``dataset``)."""
+    return scoped(owner, dataset_id)
 
 
 @dataclass
@@ -77,21 +86,22 @@ class Datasets:
         self.clock = clock
         self._by_id: dict[str, Dataset] = {}
 
-    def add(self, dataset: Dataset) -> Dataset:
-        """Hold ``dataset`` (or refresh the one held under its name, whose URLs the plans
-        already share); returns the one held."""
-        held = self._by_id.setdefault(dataset.id, dataset)
+    def add(self, dataset: Dataset, owner: str = "") -> Dataset:
+        """Hold ``dataset`` for ``owner`` (or refresh the one held under its name, whose
+        URLs the plans already share); returns the one held."""
+        held = self._by_id.setdefault(key(dataset.id, owner), dataset)
         held.seen = self.clock()
         return held
 
-    def find(self, dataset_id: str) -> Dataset | None:
-        """The dataset named ``dataset_id``, if one is held (not counted as named)."""
-        return self._by_id.get(dataset_id)
+    def find(self, dataset_id: str, owner: str = "") -> Dataset | None:
+        """The dataset ``owner`` told as ``dataset_id``, if one is held (not counted as
+        named)."""
+        return self._by_id.get(key(dataset_id, owner))
 
-    def get(self, dataset_id: str) -> Dataset:
-        """The dataset named ``dataset_id``, named now; :class:`UnknownDataset` if none
-        is held."""
-        held = self._by_id.get(dataset_id)
+    def get(self, dataset_id: str, owner: str = "") -> Dataset:
+        """The dataset ``owner`` told as ``dataset_id``, named now; :class:`UnknownDataset`
+        if none is held (another user's is not this user's)."""
+        held = self._by_id.get(key(dataset_id, owner))
         if held is None:
             raise UnknownDataset(
                 f"this daemon holds no dataset {dataset_id!r}: send it (op 'dataset') first"
@@ -100,8 +110,8 @@ class Datasets:
         return held
 
     def drop_unnamed(self, named: set[str]) -> list[str]:
-        """Drop the datasets no name in ``named`` (those of the live plans) holds and that
-        were last told or named over ``timeout_s`` ago; returns their names."""
+        """Drop the datasets no key in ``named`` (the live plans' :func:`key`) holds and
+        that were last told or named over ``timeout_s`` ago; returns their keys."""
         cutoff = self.clock() - self.timeout_s
         gone = [i for i, d in self._by_id.items() if i not in named and d.seen < cutoff]
         for dataset_id in gone:
@@ -109,7 +119,7 @@ class Datasets:
         return gone
 
     def ids(self) -> set[str]:
-        """The names of the datasets held."""
+        """The keys of the datasets held (:func:`key`)."""
         return set(self._by_id)
 
     def summary(self) -> dict[str, int]:

@@ -11,6 +11,7 @@ from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from .metrics import Metrics
+from .owners import anonymous
 
 # The dashboard's files (package data, cached/dashboard/) and their types. A fixed list:
 # nothing else under /dashboard/ is served, whatever the path asks for.
@@ -99,7 +100,8 @@ class AdminHTTP:
         return web.json_response({"ready": ready}, status=200 if ready else 503)
 
     async def _status_handler(self, _request: web.Request) -> web.Response:
-        return web.json_response(self._status())
+        # Anyone on the node who reaches the port may ask: no plan's name or user.
+        return web.json_response(anonymous(self._status()))
 
     async def _history_handler(self, _request: web.Request) -> web.Response:
         if self._history is None:

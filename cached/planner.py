@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from .owners import name_of, owner_of
+
 # A stream that has not moved yet is assumed to read at the median rate of the others, or
 # at this rate (shards per second) when no stream has moved.
 DEFAULT_RATE = 1.0
@@ -43,7 +45,8 @@ INDEX_STEP = 20_000
 
 @dataclass
 class Plan:
-    """One stream's future: shard URLs in read order and the cursor (index being read)."""
+    """One stream's future: shard URLs in read order and the cursor (index being read).
+    ``key`` is the stream's name as the daemon holds it, under its user (cached/owners.py)."""
 
     key: str
     urls: list[str]
@@ -301,13 +304,15 @@ class Planner:
             yield (pos - plan.cursor) / rate, plan.urls[pos]
 
     def summary(self) -> list[dict[str, object]]:
-        """Per-plan state for ``/status``."""
+        """Per-plan state for ``/status``: each plan's stream and dataset as its client
+        named them, and the user it is held for (None for a key of no user)."""
         now = self.clock()
         return [
             {
-                "stream": p.key,
+                "stream": name_of(p.key),
+                "user": owner_of(p.key) or None,
                 "job": p.job,
-                "dataset": p.dataset or None,
+                "dataset": name_of(p.dataset) if p.dataset else None,
                 "cursor": p.cursor,
                 "shards": len(p.urls),
                 "rate_shards_per_s": None if p.rate is None else round(p.rate, 3),

@@ -41,16 +41,19 @@ from . import __version__, socketmode
 from .access import DEFAULT_ALLOW, Access
 from .bounds import Bounds
 from .datasets import Dataset, Datasets, checked, resolve
-from .errors import CachedError, OutOfRange, ProtocolError, VersionMismatch
 from .fetcher import AHEAD, DEMAND, PREFETCH, Fetcher, shard_id
+from .datasets import key as dataset_key
+from .errors import CachedError, LimitExceeded, OutOfRange, ProtocolError, VersionMismatch
 from .jobs import JobBoard, Report
 from .layouts import chosen, packed_layout
 from .leases import Leases
 from .metrics import Metrics
+from .owners import for_viewer, scoped
 from .peers import Peer, Peers
 from .planner import Plan, Planner, prepare
 from .tiers.hot import HotTier, Shard, ShardCorrupt
 from .tiers.index import Member
+from .weights import dataset_bytes, frames_bytes, plan_bytes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -132,12 +135,12 @@ def _checked_plan(key: str, urls: list[Any], cursor: int, job: str) -> Plan:
 
 
 def _indexed_plan(
-    key: str, dataset: Dataset, index: str, cursor: int, job: str, *, most: int
+    key: str, dataset: Dataset, index: str, cursor: int, job: str, *, most: int, owner: str
 ) -> Plan:
-    """The plan a request names by positions in ``dataset`` (its URLs were checked when
-    the dataset was told). Pure: runs in a worker thread for long plans."""
+    """The plan a request names by positions in ``owner``'s ``dataset`` (its URLs were
+    checked when the dataset was told). Pure: runs in a worker thread for long plans."""
     urls = resolve(dataset, index, most)
-    return prepare(key, urls, cursor=cursor, job=job, dataset=dataset.id)
+    return prepare(key, urls, cursor=cursor, job=job, dataset=dataset_key(dataset.id, owner))
 
 
 async def _off_loop_if(long: bool, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -176,12 +179,15 @@ def _valid(url: str) -> None:
 
 
 def _released(header: Header) -> list[str]:
-    """The ``release`` field: the URLs whose pins the stream gives back with this request."""
+    """The ``release`` field: the URLs whose pins the stream gives back with this request,
+    each a shard URL (no store is asked about a name no store allows)."""
     urls = header["release"]
     if not (isinstance(urls, list) and len(urls) <= MAX_RELEASED):
         raise ProtocolError(f"request field 'release' must list at most {MAX_RELEASED} URLs")
     if not all(isinstance(u, str) and u for u in urls):
         raise ProtocolError("request field 'release' must be a list of URLs")
+    for url in urls:
+        _valid(url)
     return urls
 
 
@@ -230,6 +236,8 @@ class Server:
         self.max_plan_shards = max_plan_shards
         self.jobs = jobs if jobs is not None else JobBoard(metrics)
         self.plan_quota, self.plan_urls = bounds.plan_quotas()
+        # What plans, datasets and replies waiting hold in memory, in bytes (weights.py).
+        self.memory = bounds.memory_quotas()
         # Datasets told (compact plans name positions in them), and their URLs per user.
         self.datasets = Datasets(self.planner.timeout_s)
         self.dataset_urls = bounds.dataset_quota()
@@ -516,10 +524,12 @@ class Server:
         reply = error(_id_of(header), ErrorCode.LIMIT, message)
         self._try_send(peer, [peer.ident, encode(reply)])
 
-    def _deliver(self, peer: Peer, frames: list[Any]) -> None:
+    def _deliver(self, peer: Peer, frames: list[Any], request_id: Any = None) -> None:
         """Send a reply without blocking; one the client's queue cannot take yet waits in
-        the peer's backlog (see :meth:`_flush_replies`). Takes the reply off ``peer.requests``
-        once it is sent or dropped."""
+        the peer's backlog (see :meth:`_flush_replies`), in bytes within the user's and the
+        daemon's caps of replies waiting (past them it becomes a ``limit_exceeded`` answer to
+        request ``request_id``). Takes the reply off ``peer.requests`` once it is sent or
+        dropped."""
         if peer.gone:
             peer.requests -= 1
             return
@@ -529,6 +539,10 @@ class Server:
         if peer.gone:  # the send found it gone
             peer.requests -= 1
             return
+        try:
+            self.memory.replies.admit(peer.ident, id(frames), frames_bytes(frames), peer.user)
+        except LimitExceeded as exc:  # a few hundred bytes, uncounted, in its place
+            frames = [peer.ident, encode(error(request_id, ErrorCode.LIMIT, str(exc)))]
         peer.backlog.append((frames, time.monotonic() + self.bounds.reply_timeout_s))
         self._queued += 1
         if peer.flusher is None:
@@ -577,6 +591,7 @@ class Server:
                     else:
                         break
                     peer.backlog.popleft()
+                    self.memory.replies.forget(id(frames))
                     peer.requests -= 1
                     self._queued -= 1
                 if dropped:
@@ -599,6 +614,8 @@ class Server:
                 task.cancel()
         self._queued -= len(peer.backlog)
         peer.requests -= len(peer.backlog)
+        for frames, _ in peer.backlog:
+            self.memory.replies.forget(id(frames))
         peer.backlog.clear()
         if peer.flusher is not None:
             peer.flusher.cancel()
@@ -640,6 +657,7 @@ class Server:
         for key in keys:
             self.plan_quota.forget(key)
             self.plan_urls.forget(key)
+            self.memory.plans.forget(key)
         if dropped:
             log.info(
                 "dropped %d plans of a client that went away (%s)", len(dropped), peer.describe()
@@ -668,10 +686,11 @@ class Server:
                 live: set[Any] = {plan.key for plan in self.planner.plans()}
                 self.plan_quota.retain(live)
                 self.plan_urls.retain(live)
+                self.memory.plans.retain(live)
             if self.datasets.drop_unnamed({plan.dataset for plan in self.planner.plans()}):
-                held = self.datasets.ids()
-                kept = self.dataset_urls.keys()
-                self.dataset_urls.retain({k for k in kept if isinstance(k, tuple) and k[1] in held})
+                held: set[Any] = self.datasets.ids()
+                self.dataset_urls.retain(held)
+                self.memory.datasets.retain(held)
             self.metrics.streams.set(self.leases.streams())
 
     def _done(self, peer: Peer, size: int, task: asyncio.Task[None]) -> None:
@@ -732,7 +751,7 @@ class Server:
         if op not in Op.__members__.values():
             op = "unknown"
         self.metrics.requests.labels(op, result).inc()
-        self._deliver(peer, [peer.ident, encode(reply), *payload])
+        self._deliver(peer, [peer.ident, encode(reply), *payload], request_id)
         if cancelled:
             raise asyncio.CancelledError
 
@@ -744,6 +763,9 @@ class Server:
         elif op in (Op.OPEN, Op.READ, Op.CLOSE):
             released = header.get("release")
             named = [header.get("url"), *(released if isinstance(released, list) else [])]
+            for url in named:
+                if isinstance(url, str) and url:
+                    _valid(url)  # a URL no store allows is refused before it is remembered
         else:
             return
         # An oversized plan is refused by _plan (bad_request) without this costly walk.
@@ -757,7 +779,7 @@ class Server:
         """Run one request; ``client`` is the connection (for the caps)."""
         if op in (Op.OPEN, Op.READ) and "release" in header:
             # First: the pins given back make room for the shard this request may fetch.
-            await self._release(_released(header), _str(header, "stream"))
+            await self._release(_released(header), self._stream(header, client))
         if op == Op.HELLO:
             version = header.get("v")
             if version != PROTOCOL_VERSION:
@@ -784,10 +806,11 @@ class Server:
         if op == Op.READ:
             return await self._read(header, client)
         if op == Op.CLOSE:
-            await self._release([_url(header)], _str(header, "stream"))
+            await self._release([_url(header)], self._stream(header, client))
             return {}, []
         if op == Op.STATUS:
-            return {"status": self._status()}, []
+            # Its own plans only, unless it is root or the daemon's user (owners.py).
+            return {"status": for_viewer(self._status(), client.user)}, []
         if op == Op.PLAN:
             await self._plan(header, client)
             return {}, []
@@ -833,6 +856,12 @@ class Server:
             self.planner.touch([cast(str, k) for o in owners for k in self.plan_quota.keys_of(o)])
         return {"instance": self.instance, "known": known}
 
+    @staticmethod
+    def _stream(header: Header, client: Peer) -> str:
+        """The request's ``stream``, as the daemon holds it: under the client's user, so a
+        name another user chose is never that user's stream (cached/owners.py)."""
+        return scoped(client.user, _str(header, "stream"))
+
     async def _release(self, urls: list[str], stream: str) -> None:
         """The stream is done with these shards: their pins go (``close``, or the
         ``release`` field of its next open or read)."""
@@ -844,7 +873,7 @@ class Server:
         """The shard a request names, fetched on a miss, the stream's lease on it, and
         whether it was resident when the request came (a hit). Opens count as hits or
         misses; reads (which follow an open) do not."""
-        url, stream = _url(header), _str(header, "stream")
+        url, stream = _url(header), self._stream(header, client)
         kind = (
             "ahead" if header.get("ahead") else "prefetch" if header.get("prefetch") else "demand"
         )
@@ -865,48 +894,67 @@ class Server:
         """A dataset's URL list, told once for the plans that name positions in it."""
         dataset_id = _str(header, "dataset")
         urls = _listed(header, self.max_plan_shards, "a dataset")
-        # One held: its digest was checked then, and the plans resolve against its URLs,
-        # whatever these are.
-        dataset = self.datasets.find(dataset_id)
+        user = client.user
+        # One this user told: its digest was checked then, and its plans resolve against
+        # its URLs, whatever these are. Another user's is not looked at (owners.py).
+        dataset = self.datasets.find(dataset_id, user)
         if dataset is None:
             long = len(urls) > PLAN_OFFLOAD_URLS
             dataset = await _off_loop_if(long, checked, dataset_id, urls)
-        user = client.user or client.ident.hex()
-        self.dataset_urls.admit(client.ident, (user, dataset_id), len(dataset.urls), user)
-        self.datasets.add(dataset)
+        key, ident = dataset_key(dataset_id, user), client.ident
+        weight = dataset_bytes(dataset.urls)
+        self.dataset_urls.check(ident, key, len(dataset.urls), user)
+        self.memory.datasets.admit(ident, key, weight, user)
+        self.dataset_urls.admit(ident, key, len(dataset.urls), user)
+        self.datasets.add(dataset, user)
 
     async def _plan(self, header: Header, client: Peer) -> None:
-        key = _str(header, "plan")
+        ident, user = client.ident, client.user
+        # Under its user: another user's plan of the same name is another plan (owners.py).
+        key = scoped(user, _str(header, "plan"))
         cursor = _int(header, "cursor") if "cursor" in header else 0
         job = str(header.get("job", ""))
         # A long plan is checked and indexed in a worker thread, then published in steps.
-        if "dataset" in header:
-            dataset = self.datasets.get(_str(header, "dataset"))
+        shared = "dataset" in header  # its URLs are the strings its dataset holds
+        if shared:
+            dataset = self.datasets.get(_str(header, "dataset"), user)
             index = header.get("index")
             if not isinstance(index, str):  # empty for a reader with no shards this time
                 raise ProtocolError("request field 'index' must be a string")
             long = len(index) > PLAN_OFFLOAD_URLS * 4 * 4 // 3  # base64 of 4-byte positions
             plan = await _off_loop_if(
-                long, _indexed_plan, key, dataset, index, cursor, job, most=self.max_plan_shards
+                long,
+                _indexed_plan,
+                key,
+                dataset,
+                index,
+                cursor,
+                job,
+                most=self.max_plan_shards,
+                owner=user,
             )
         else:
             urls = _listed(header, self.max_plan_shards, "a plan")
             long = len(urls) > PLAN_OFFLOAD_URLS
             plan = await _off_loop_if(long, _checked_plan, key, urls, cursor, job)
-        ident, user = client.ident, client.user
+        weight = await _off_loop_if(long, plan_bytes, plan.urls, shared=shared)
+        # All checked before any is counted: a refusal leaves the old plan as it was.
         self.plan_quota.check(ident, key, 1, user)
+        self.plan_urls.check(ident, key, len(plan.urls), user)
+        self.memory.plans.admit(ident, key, weight, user)
         self.plan_urls.admit(ident, key, len(plan.urls), user)
         self.plan_quota.admit(ident, key, 1, user)
         async with self._plans_lock:  # one install or expiry at a time
             for _ in self.planner.install(plan):
                 await asyncio.sleep(0)
 
-    def _advance(self, header: Header) -> None:
-        """Reads name the stream's plan and position: the cursor rides along for free. A
-        move the planner does not tell its listeners at once is told a moment later."""
+    def _advance(self, header: Header, client: Peer) -> None:
+        """Reads name the stream's plan and position: the cursor rides along for free (of
+        the client's user's plan of that name only). A move the planner does not tell its
+        listeners at once is told a moment later."""
         key = header.get("plan")
         if isinstance(key, str) and key:
-            wait = self.planner.advance(key, _int(header, "pos"))
+            wait = self.planner.advance(scoped(client.user, key), _int(header, "pos"))
             if wait is not None and self._flush is None:
                 self._flush = asyncio.get_running_loop().call_later(wait, self._flushed)
 
@@ -956,7 +1004,7 @@ class Server:
             raise ProtocolError(f"count {count} exceeds the limit of {self.max_read_samples}")
         if whole and header.get("if_resident") is True and not self._resident_now(header):
             return {"resident": False}, []  # the reader asks again when it gets there
-        self._advance(header)
+        self._advance(header, client)
         exts = header.get("exts")
         if exts is not None and not (
             isinstance(exts, list) and all(isinstance(e, str) for e in exts)

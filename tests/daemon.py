@@ -95,26 +95,31 @@ def thread_daemon(cfg: Config) -> Iterator[ThreadDaemon]:
         yield ThreadDaemon(daemon, loop, daemon.server.bound_endpoint)
 
 
-def serve_config(directory: Path, endpoint_url: str, **s3: Any) -> tuple[Path, str]:
+def serve_config(
+    directory: Path,
+    endpoint_url: str,
+    *,
+    sections: dict[str, dict[str, Any]] | None = None,
+    **s3: Any,
+) -> tuple[Path, str]:
     """A ``cached serve`` config in ``directory``: its own ipc socket and hot tier, a free
-    HTTP port, small retry delays, and ``s3``'s other ``[s3]`` settings. Returns the
-    config's path and the socket."""
+    HTTP port, small retry delays, and ``s3``'s other ``[s3]`` settings; ``sections`` adds
+    keys to any section. Returns the config's path and the socket."""
     socket = f"ipc://{directory}/cached.sock"
-    config = write_config(
-        directory / "config.toml",
-        {
-            "server": {"socket": socket, "http": "127.0.0.1:0"},
-            "cache": {"dir": str(directory / "hot"), "capacity": "1GiB", "min_free": "0"},
-            "s3": {
-                "endpoint_url": endpoint_url,
-                "retry_attempts": 3,
-                "retry_base_delay_s": 0.01,
-                "retry_max_delay_s": 0.05,
-                **s3,
-            },
+    cfg: dict[str, dict[str, Any]] = {
+        "server": {"socket": socket, "http": "127.0.0.1:0"},
+        "cache": {"dir": str(directory / "hot"), "capacity": "1GiB", "min_free": "0"},
+        "s3": {
+            "endpoint_url": endpoint_url,
+            "retry_attempts": 3,
+            "retry_base_delay_s": 0.01,
+            "retry_max_delay_s": 0.05,
+            **s3,
         },
-    )
-    return config, socket
+    }
+    for section, values in (sections or {}).items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    return write_config(directory / "config.toml", cfg), socket
 
 
 # The tests' name for ``cached serve`` as a subprocess.

@@ -7,6 +7,7 @@ no plan names it; and a client whose dataset lapsed tells it again by itself."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,16 +23,26 @@ from cached_client.reader import announce
 from cached_client.transport import Connection
 
 from bench.bounds_rss import storeless_daemon
+from cached.datasets import key as dataset_key
+from cached.owners import name_of
 from tests.daemon import ProcessDaemon, daemon_config, thread_daemon
 from tests.s3server import S3Server
 from tests.test_tiering import equal_shards
+
+# The user this test's connections are (the daemon holds their plans and datasets under it).
+ME = f"uid {os.getuid()}"
 
 URLS = [f"s3://b/shard-{i:04d}.tar" for i in range(200)]
 
 
 def plans(d: Any) -> list[tuple[str, list[str], str]]:
-    """Each installed plan: its key, its URLs and the dataset it named."""
-    return d.call(lambda: [(p.key, list(p.urls), p.dataset) for p in d.daemon.planner.plans()])
+    """Each installed plan: its key, its URLs and the dataset it named, as the client named
+    them (the daemon holds them under the client's user)."""
+    return d.call(
+        lambda: [
+            (name_of(p.key), list(p.urls), name_of(p.dataset)) for p in d.daemon.planner.plans()
+        ]
+    )
 
 
 @contextmanager
@@ -79,7 +90,7 @@ def test_a_plan_by_positions_is_the_plan_of_its_urls_and_shares_their_strings(
         order = [5, 3, 199, 0, 5]
         plan_by_index(conn, "p", catalog_id(URLS), order)
         assert plans(d)[1:] == [("p", [URLS[i] for i in order], catalog_id(URLS))]
-        held = d.call(lambda: d.daemon.server.datasets._by_id[catalog_id(URLS)].urls)
+        held = d.call(lambda: d.daemon.server.datasets.find(catalog_id(URLS), ME).urls)
         same = d.call(lambda: d.daemon.planner.plans()[1].urls[2] is held[199])
         assert same  # one copy of each URL's text, however many plans name it
         status = d.call(d.daemon.status)
@@ -157,7 +168,7 @@ def test_a_dataset_lapses_only_when_no_plan_names_it_and_the_client_tells_it_aga
         catalog = Catalog(URLS)
         assert announce(conn, "p", URLS[:10], "j", catalog)
         time.sleep(1.5)
-        assert d.call(server.datasets.ids) == {catalog.id}
+        assert d.call(server.datasets.ids) == {dataset_key(catalog.id, ME)}
         assert announce(conn, "p", URLS[:3], "j")  # now a plan of URLs: none names it
         deadline = time.monotonic() + 10
         while d.call(server.datasets.ids):

@@ -11,6 +11,15 @@ from .errors import UsageError
 
 _BRACE = re.compile(r"\{([0-9]+)\.\.([0-9]+)\}")
 SCHEMES = ("s3", "file")
+# What a store allows: an S3 bucket's name is at most 63 characters and an object's key at
+# most 1,024 bytes (UTF-8); a local path at most PATH_MAX, 4,096 bytes with its NUL.
+MAX_BUCKET_CHARS = 63
+MAX_KEY_BYTES = 1024
+MAX_PATH_BYTES = 4095
+# The longest URL that can name an S3 object: s3://, the bucket, /, and a key of 1,024
+# bytes each written as a %XX escape. A longer URL (of any scheme) is refused before it is
+# parsed, so that no request can make the daemon hold, or ask a store for, a longer name.
+MAX_URL_CHARS = len("s3://") + MAX_BUCKET_CHARS + 1 + 3 * MAX_KEY_BYTES  # 3,141
 
 
 def expand(pattern: str) -> list[str]:
@@ -96,8 +105,12 @@ class ShardURL:
 # file:///path with no characters that urlsplit treats specially (query, fragment, escapes,
 # user info, port). Anything else goes through parse() for its verdict and its message.
 # (urlsplit also drops tabs and line breaks anywhere, and control characters up front.)
+# Both are printable ASCII within their store's bounds (a bucket of at most 63 characters, a
+# key of at most 1,024, a path within MAX_URL_CHARS), so that a character is a byte. The
+# classes are ranges: a negated class with the non-ASCII range costs twice as much a URL.
 _PLAIN = re.compile(
-    r"s3://[^/?#%@:\x00-\x20]+/+[^/?#%\x00-\x20][^?#%\t\r\n]*\Z|file:///[^?#%\t\r\n]*\Z"
+    r"s3://[!\x22$&-.0-9;->A-~]{1,63}/+[!\x22$&-.0->@-~][ -\x22$&->@-~]{0,1023}\Z"
+    r"|file:///[ -\x22$&->@-~]{0,3133}\Z"  # MAX_URL_CHARS in all
 )
 
 
@@ -111,15 +124,35 @@ def check_all(urls: Iterable[str]) -> None:
 
 
 def parse(url: str) -> ShardURL:
-    """Parse and validate a shard URL; raises ``UsageError`` (a ``ValueError``) naming the URL."""
+    """Parse and validate a shard URL; raises ``UsageError`` (a ``ValueError``) naming the URL
+    (its start only, for one longer than any store allows)."""
+    if len(url) > MAX_URL_CHARS:
+        raise UsageError(
+            f"bad shard URL {url[:80]!r}... ({len(url)} characters): longer than any store "
+            f"allows (at most {MAX_URL_CHARS}: an S3 bucket of {MAX_BUCKET_CHARS} characters "
+            f"and a key of {MAX_KEY_BYTES} bytes)"
+        )
     parts = urlsplit(url)
     if parts.scheme == "s3":
         key = parts.path.lstrip("/")
         if not parts.netloc or not key:
             raise UsageError(f"bad shard URL {url!r}: expected s3://bucket/key")
-        return ShardURL("s3", parts.netloc, unquote(key))
+        name = unquote(key)
+        if len(parts.netloc) > MAX_BUCKET_CHARS or len(name.encode(errors="replace")) > (
+            MAX_KEY_BYTES
+        ):
+            raise UsageError(
+                f"bad shard URL {url[:80]!r}...: S3 allows a bucket of at most "
+                f"{MAX_BUCKET_CHARS} characters and a key of at most {MAX_KEY_BYTES} bytes"
+            )
+        return ShardURL("s3", parts.netloc, name)
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
             raise UsageError(f"bad shard URL {url!r}: expected file:///absolute/path")
-        return ShardURL("file", "", unquote(parts.path))
+        path = unquote(parts.path)
+        if len(path.encode(errors="replace")) > MAX_PATH_BYTES:
+            raise UsageError(
+                f"bad shard URL {url[:80]!r}...: a path is at most {MAX_PATH_BYTES} bytes"
+            )
+        return ShardURL("file", "", path)
     raise UsageError(f"bad shard URL {url!r}: the scheme must be one of {', '.join(SCHEMES)}")

@@ -1,0 +1,71 @@
+"""Whose is each name a client chooses: plans, streams (leases) and datasets are per user.
+
+Plan keys, stream names and dataset ids are not secrets: they follow from the job, and a
+listing shows them. So the daemon holds each under its user's name (``Peer.user``: ``uid
+N`` for an ipc connection, from the kernel's credentials; a tcp connection is a user of its
+own): a request under a name another user chose names that user's own plan, lease or
+dataset, never the other one's. Another user can neither replace nor drop a reader's plan,
+move its cursor (a read's ``plan`` and ``pos``), nor release its pins (a ``close`` or a
+``release`` naming its stream). A session (a heartbeat's name for a connection) is checked
+against its connection's user where it is used (``Server._session_of``, ``_heartbeat``).
+
+``status`` shows each user its own plans; the daemon's own user and root see every plan
+with the user that holds it. The admin HTTP ``/status`` knows no user (anyone on the node
+who reaches its port may ask), so its plans carry no stream names nor users.
+
+A job's name is a label, not something held: reports of every user under one name count
+for one job (cached/jobs.py; docs/operations.md, "Security model").
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# Between a user and the name it chose in a key held for it. No user name holds it
+# ("uid N", "connection HEX"); a client's name may, and is kept whole after the first.
+SEP = "\x1f"
+
+
+def scoped(user: str, name: str) -> str:
+    """The key the daemon holds ``name`` under for ``user``; ``name`` itself where there is
+    no user (a caller of the planner with no connections, e.g. ``bench/cache_sim.py``)."""
+    return f"{user}{SEP}{name}" if user else name
+
+
+def name_of(key: str) -> str:
+    """The client's own name in ``key`` (what :func:`scoped` was given)."""
+    return key.partition(SEP)[2] if SEP in key else key
+
+
+def owner_of(key: str) -> str:
+    """The user ``key`` is held for; empty for an unscoped key."""
+    return key.partition(SEP)[0] if SEP in key else ""
+
+
+def sees_all(user: str, daemon_uid: int | None = None) -> bool:
+    """Whether ``user`` may see every user's plans: root, and the daemon's own user."""
+    uid = os.getuid() if daemon_uid is None else daemon_uid
+    return user in ("uid 0", f"uid {uid}")
+
+
+def for_viewer(status: dict[str, Any], user: str) -> dict[str, Any]:
+    """``status`` as ``user`` may see it on the socket: its own plans only, unless it
+    :func:`sees_all`, and each plan's ``user`` then."""
+    plans = status.get("plans")
+    if not isinstance(plans, list):
+        return status
+    if sees_all(user):
+        return status
+    own = [{k: v for k, v in p.items() if k != "user"} for p in plans if p.get("user") == user]
+    return {**status, "plans": own}
+
+
+def anonymous(status: dict[str, Any]) -> dict[str, Any]:
+    """``status`` for a reader of unknown user (the admin HTTP endpoint): the plans' counts,
+    jobs, cursors and rates, without their stream names or users."""
+    plans = status.get("plans")
+    if not isinstance(plans, list):
+        return status
+    hidden = ("stream", "user")
+    return {**status, "plans": [{k: v for k, v in p.items() if k not in hidden} for p in plans]}
