@@ -113,7 +113,7 @@ class ServerConfig:
     max_plan_urls: int = 8_000_000
     max_leases_per_user: int = 16384
     max_leases: int = 65536
-    # The same in bytes of the daemon's memory (cached/weights.py: a URL's string and 420
+    # The same in bytes of the daemon's memory (cached/weights.py: a URL's string and 450
     # bytes of index a planned URL; docs/operations.md gives the worst-case RSS they make):
     # the plans' URL lists, the datasets' URL lists (told apart from the plans), and the
     # replies waiting in the daemon for clients that do not take them (Peer.backlog).

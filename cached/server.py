@@ -53,7 +53,7 @@ from .peers import Peer, Peers
 from .planner import Plan, Planner, prepare
 from .tiers.hot import HotTier, Shard, ShardCorrupt
 from .tiers.index import Member
-from .weights import dataset_bytes, frames_bytes, plan_bytes
+from .weights import dataset_bytes, frames_bytes, plan_bytes, strings_bytes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -914,14 +914,18 @@ class Server:
         key = scoped(user, _str(header, "plan"))
         cursor = _int(header, "cursor") if "cursor" in header else 0
         job = str(header.get("job", ""))
-        # A long plan is checked and indexed in a worker thread, then published in steps.
-        shared = "dataset" in header  # its URLs are the strings its dataset holds
-        if shared:
+        # Weighed from the request and checked before the plan is built, so that a plan
+        # the caps refuse costs no index (a million URLs' is some 450 MB); a plan of
+        # positions shares its dataset's strings. A long plan is weighed, checked and
+        # indexed in a worker thread, then published in steps.
+        if "dataset" in header:
             dataset = self.datasets.get(_str(header, "dataset"), user)
             index = header.get("index")
             if not isinstance(index, str):  # empty for a reader with no shards this time
                 raise ProtocolError("request field 'index' must be a string")
             long = len(index) > PLAN_OFFLOAD_URLS * 4 * 4 // 3  # base64 of 4-byte positions
+            named = (len(index) * 3 // 4 - (len(index) - len(index.rstrip("=")))) // 4
+            self._plan_fits(client, key, named, plan_bytes(named))
             plan = await _off_loop_if(
                 long,
                 _indexed_plan,
@@ -933,20 +937,30 @@ class Server:
                 most=self.max_plan_shards,
                 owner=user,
             )
+            weight = plan_bytes(len(plan.urls))
         else:
             urls = _listed(header, self.max_plan_shards, "a plan")
             long = len(urls) > PLAN_OFFLOAD_URLS
+            weight = plan_bytes(len(urls), await _off_loop_if(long, strings_bytes, urls))
+            self._plan_fits(client, key, len(urls), weight)
             plan = await _off_loop_if(long, _checked_plan, key, urls, cursor, job)
-        weight = await _off_loop_if(long, plan_bytes, plan.urls, shared=shared)
-        # All checked before any is counted: a refusal leaves the old plan as it was.
-        self.plan_quota.check(ident, key, 1, user)
-        self.plan_urls.check(ident, key, len(plan.urls), user)
+        # Again, as built: other plans may have been taken meanwhile.
+        self._plan_fits(client, key, len(plan.urls), weight)
         self.memory.plans.admit(ident, key, weight, user)
         self.plan_urls.admit(ident, key, len(plan.urls), user)
         self.plan_quota.admit(ident, key, 1, user)
         async with self._plans_lock:  # one install or expiry at a time
             for _ in self.planner.install(plan):
                 await asyncio.sleep(0)
+
+    def _plan_fits(self, client: Peer, key: str, urls: int, weight: int) -> None:
+        """Raise :class:`LimitExceeded` unless a plan of ``urls`` URLs weighing ``weight``
+        bytes fits every plan cap of ``client`` and its user; counts nothing, so that a
+        refusal leaves a plan already under ``key`` as it was."""
+        ident, user = client.ident, client.user
+        self.plan_quota.check(ident, key, 1, user)
+        self.plan_urls.check(ident, key, urls, user)
+        self.memory.plans.check(ident, key, weight, user)
 
     def _advance(self, header: Header, client: Peer) -> None:
         """Reads name the stream's plan and position: the cursor rides along for free (of
