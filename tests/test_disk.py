@@ -28,6 +28,7 @@ from cached_client import CachedDataset
 from cached_client.transport import Connection
 
 from cached import cli
+from cached.tiers.hot import reservation_bytes
 from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, serve_config, thread_daemon
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server
@@ -35,6 +36,7 @@ from tests.test_daemon import upload
 from tests.test_local_reads import _bins, expected
 
 MiB = 1 << 20
+FILL_CHUNK = 64 << 10  # what fill() writes at a time: the free space it may leave
 
 
 @contextmanager
@@ -60,7 +62,7 @@ def small_disk(path: Path, size_mib: int) -> Iterator[Path]:
 
 def fill(path: Path) -> int:
     """Write ``path`` until its file system is full, as another program would; its size."""
-    chunk = bytes(64 << 10)
+    chunk = bytes(FILL_CHUNK)
     n = 0
     with open(path, "wb", buffering=0) as fh:
         while True:
@@ -211,7 +213,15 @@ def test_a_disk_that_fills_mid_write_drops_the_partial_file_evicts_and_fetches_a
     assert disk_full == 1
     assert len(gets) == 2
     assert left == []
-    assert any("was full while" in r.getMessage() for r in caplog.records)
+    (full,) = [r for r in caplog.records if "was full while" in r.getMessage()]
+    # The tier evicts so that the shard fits twice over (the second for what its accounting
+    # did not see); the free space it counts on besides is what the partial file held (at
+    # most the shard) and what the filler left (less than a chunk, and a page's rounding).
+    # Evicting half as much leaves room for the shard once: here one shard, not two.
+    assert isinstance(full.args, tuple)
+    evicted, size = full.args[-1], len(shards[3])
+    assert isinstance(evicted, int)
+    assert evicted >= 2 * reservation_bytes(size) - size - 2 * FILL_CHUNK
 
 
 def test_a_shard_file_cut_short_under_its_reader_is_fetched_again_and_the_daemon_lives(

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from cached_client import CachedDataset, FastLoader, UsageError
 from cached_client.elastic import elastic_state
-from cached_client.placement import equal_share, owners
+from cached_client.placement import epoch_owners, equal_share, owners
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from tests.daemon import ProcessDaemon, dataset_shards, isolate_env, serve_config
@@ -111,6 +111,11 @@ def test_fast_loader_saved_on_two_nodes_finishes_on_three(
         assert 0 <= len(KEYS) - len(seen) - (len(KEYS) - 4 * each) < 3
     else:
         assert set(seen) == set(KEYS)  # everything once
+        # Each new node reads the rest of the shards it owns in the new job (rank = node
+        # here), so what it reads now is what it caches from the next epoch on.
+        mine = owned(3, 2)
+        strays = [sorted({shard(k) for k in tail[node]} - set(mine[node])) for node in range(3)]
+        assert strays == [[], [], []]  # other nodes' shards each new node read
 
     # Epoch 3 on the new job: every sample once, each node its own shards.
     nxt = []
@@ -122,6 +127,7 @@ def test_fast_loader_saved_on_two_nodes_finishes_on_three(
     assert len(flat) == len(set(flat))
     if not equal:
         assert sorted(flat) == sorted(KEYS)
+        assert [sorted({shard(k) for k in keys}) for keys in nxt] == owned(3, 3)
 
 
 def test_cached_dataset_from_dataloader_workers_to_another_shape(
@@ -171,6 +177,17 @@ def test_cached_dataset_from_dataloader_workers_to_another_shape(
         tail += [k for batch in loader for k in batch]
     seen = Counter(head + tail)
     assert max(seen.values()) == 1 and set(seen) == set(KEYS)
+
+
+def shard(key: str) -> int:
+    """The shard a sample's key names (``e{shard}-{i}``)."""
+    return int(key[1:].partition("-")[0])
+
+
+def owned(nodes: int, epoch: int) -> list[list[int]]:
+    """The shards each of ``nodes`` nodes owns in ``epoch`` (seed 9, no mix)."""
+    owner = epoch_owners(len(COUNTS), nodes, 9, epoch)
+    return [[s for s in range(len(COUNTS)) if owner[s] == node] for node in range(nodes)]
 
 
 def _keys(samples: list[dict[str, Any]]) -> list[str]:

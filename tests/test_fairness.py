@@ -477,31 +477,39 @@ def test_a_flood_of_requests_leaves_the_daemon_answering_others(
 
 
 def test_large_requests_are_taken_one_at_a_time_per_client(
-    s3_server: S3Server, tmp_path: Path
+    s3_server: S3Server, bucket: str, tmp_path: Path, proxy: FaultProxy
 ) -> None:
-    """Each frame under [server] max_request_bytes, but many at once: a client's large
-    requests are handled one at a time (the others get ``limit_exceeded``), so one client
-    cannot make the daemon hold many large frames, and the JSON decoded from them, at once;
-    another client is answered meanwhile."""
+    """Each frame under [server] max_request_bytes, but two at once: while a client's
+    first large request is being handled (an open, waiting 2 s for a slow store), its
+    second would make the two pass the bound together and gets ``limit_exceeded`` at
+    once, so one client cannot make the daemon hold many large frames, and the JSON
+    decoded from them, at once. A small one fits beside it; another client is answered
+    meanwhile; once the first is answered, the next large one is taken."""
+    (url,) = upload(s3_server, bucket, dataset_shards(1, 3))
     limit = 8 << 20
-    cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"server.max_request_bytes": limit})
+    cfg = daemon_config(tmp_path, proxy.endpoint_url, **{"server.max_request_bytes": limit})
     with thread_daemon(cfg) as d:
+        proxy.inject("delay", times=100, method=None, delay_s=2.0)
         ctx: zmq.Context[Any] = zmq.Context()
         sock = raw_dealer(ctx, d.socket)
         try:
             pad = "x" * (6 << 20)  # a valid request of 6 MiB, its id last (as the client's)
-            for i in range(12):
-                sock.send(encode({"op": "status", "pad": pad, "id": i}))
-            codes: dict[int, str] = {}
-            while sock.poll(3000):  # until the replies stop (refusals may be dropped)
-                reply = decode(sock.recv_multipart()[0])
-                codes[reply["id"]] = "ok" if reply.get("ok") else reply["code"]
+            for i in range(2):
+                sock.send(encode({"op": "open", "url": url, "stream": "s", "pad": pad, "id": i}))
+            sock.send(encode({"op": "hello", "v": PROTOCOL_VERSION, "id": 2}))
             other = Connection(d.socket)
             other.request({"op": "hello", "v": PROTOCOL_VERSION})
             other.close()
+            replies: dict[int, Any] = {}
+            while len(replies) < 3 and sock.poll(15_000):
+                reply = decode(sock.recv_multipart()[0])
+                replies[reply["id"]] = reply
+            proxy.clear()
+            last = ask(sock, {"op": "status", "pad": pad, "id": 3})
         finally:
             sock.close(0)
             ctx.term()
-    assert codes[0] == "ok"
-    assert "limit_exceeded" in codes.values()
-    assert set(codes.values()) <= {"ok", "limit_exceeded"}
+    codes = {i: "ok" if r.get("ok") else r["code"] for i, r in replies.items()}
+    assert codes == {0: "ok", 1: "limit_exceeded", 2: "ok"}
+    assert f"[server] max_request_bytes = {limit}" in replies[1]["message"]
+    assert last.get("ok"), last

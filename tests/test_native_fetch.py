@@ -193,6 +193,32 @@ async def test_a_store_that_keeps_no_checksums_is_asked_a_few_times_then_the_md5
     assert client.reasons == [CORRUPT]
 
 
+async def test_opens_at_once_ask_no_more_checksum_probes_than_opens_one_at_a_time(
+    proxy: FaultProxy, s3_server: S3Server, bucket: str, aio_session: Any, tmp_path: Path
+) -> None:
+    """Opens at once, with [s3] checksum_head, of objects with no checksum: the probe
+    HEADs are capped in flight too, not only once CHECKSUM_PROBES have found none, so a
+    cold start of many opens asks CHECKSUM_PROBES HEADs, not one per open. Each HEAD
+    answers 1 s late: every open asks (or not) before any probe has come back."""
+    body = payload(SMALL)
+    opens = s3mod.CHECKSUM_PROBES + 4
+    for i in range(opens):
+        s3_server.put(bucket, f"{i}.tar", body, checksum=None)
+    proxy.inject("delay", method="HEAD", times=opens, delay_s=1.0)
+    client = Native(proxy.endpoint_url, aio_session, checksum_head=True)
+
+    async def read(src: S3Source, i: int) -> bytes:
+        async with await src.open(f"s3://{bucket}/{i}.tar", tmp_path / f"open{i}") as opened:
+            assert await src.fetch(opened.info, nothing, opened=opened, into=tmp_path / f"{i}")
+        return await asyncio.to_thread((tmp_path / f"{i}").read_bytes)
+
+    async with client as src:
+        got = await asyncio.gather(*(read(src, i) for i in range(opens)))
+    assert got == [body] * opens
+    assert len(proxy.requests("HEAD")) == s3mod.CHECKSUM_PROBES
+    assert client.reasons == []
+
+
 def put_multipart(s3_server: S3Server, bucket: str, key: str, body: bytes) -> None:
     """An object uploaded in two parts with a full-object CRC64NVME (as current SDKs do
     on S3): its ETag is no MD5."""

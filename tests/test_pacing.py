@@ -49,6 +49,18 @@ def test_a_ceiling_spaces_the_requests_evenly() -> None:
     assert pacer.waited_s > 0.4
 
 
+def test_an_idle_budget_does_not_save_up_a_burst() -> None:
+    async def run() -> float:
+        pacer = RequestPacer(50.0, rng=random.Random(1))
+        # Idle for a second: 50 tokens' worth, but the bucket holds one.
+        await asyncio.sleep(1.0)
+        return await send(pacer, 20)
+
+    # 19 intervals of 20 ms after the first (0.38 s); a bucket that saved up the idle
+    # second would let all 20 go at once.
+    assert asyncio.run(run()) >= 0.3
+
+
 def test_no_ceiling_lets_every_request_go_until_the_store_throttles() -> None:
     pacer = RequestPacer(0.0)
     assert not pacer.paced

@@ -270,14 +270,9 @@ async def test_a_download_gives_its_slot_back_once_its_bytes_are_in(
     assert asked(s3_server, bucket)["GET"] == 2
 
 
-async def test_the_md5_over_the_file_runs_without_a_download_slot(
-    s3_server: S3Server, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The native path checks an MD5 ETag over the file once the GET is in: that reads
-    the disk, not the link, so the slot goes back first and the next GET runs meanwhile
-    (D48). A hash that does not match fetches the shard again, under a slot again; in
-    the end every slot is free."""
-    urls = upload(s3_server, bucket, dataset_shards(2, 5, payload=2000))
+def first_md5_fails(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[Path]]:
+    """The native path's MD5 over a file: the first held until the event is set, then
+    found wrong (damaged in transit, as far as the check can tell); the files hashed."""
     go_on = threading.Event()
     hashed: list[Path] = []
     md5_of_file = s3_module._md5_of_file
@@ -286,10 +281,22 @@ async def test_the_md5_over_the_file_runs_without_a_download_slot(
         hashed.append(path)
         if len(hashed) == 1:
             go_on.wait(20)
-            return "0" * 32  # damaged in transit, as far as the check can tell
+            return "0" * 32
         return md5_of_file(path)
 
     monkeypatch.setattr(s3_module, "_md5_of_file", held_back)
+    return go_on, hashed
+
+
+async def test_the_md5_over_the_file_runs_without_a_download_slot(
+    s3_server: S3Server, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The native path checks an MD5 ETag over the file once the GET is in: that reads
+    the disk, not the link, so the slot goes back first and the next GET runs meanwhile
+    (D48). A hash that does not match fetches the shard again, under a slot again; in
+    the end every slot is free."""
+    urls = upload(s3_server, bucket, dataset_shards(2, 5, payload=2000))
+    go_on, hashed = first_md5_fails(monkeypatch)
     cfg = s3cfg(s3_server.endpoint_url, native_fetch=True)
     async with TierChain(cfg) as chain, running_fetcher(chain, tmp_path, 2) as fetcher:
         first = asyncio.create_task(fetcher.prefetch(urls[0]))
@@ -304,3 +311,32 @@ async def test_the_md5_over_the_file_runs_without_a_download_slot(
             assert shard is not None and shard.index is not None and shard.index.checksummed
         await until(lambda: fetcher._slots.free == 2)
     assert asked(s3_server, bucket)["GET"] == 3
+
+
+async def test_a_get_again_after_a_failed_check_waits_for_a_slot(
+    s3_server: S3Server,
+    bucket: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    proxy: FaultProxy,
+) -> None:
+    """The slots bound the GETs in flight at the store, a GET again included: the first
+    shard's MD5 over its file fails while the second shard's GET (1 s to answer) holds the
+    one slot prefetches may use, and the first's new GET waits for that one to land
+    instead of going beside it."""
+    urls = upload(s3_server, bucket, dataset_shards(2, 5, payload=2000))
+    go_on, hashed = first_md5_fails(monkeypatch)
+    cfg = s3cfg(proxy.endpoint_url, native_fetch=True)
+    async with TierChain(cfg) as chain, running_fetcher(chain, tmp_path, 2) as fetcher:
+        first = asyncio.create_task(fetcher.prefetch(urls[0]))
+        await until(lambda: len(hashed) == 1)  # its slot is back; its check is held
+        await until(lambda: proxy.in_flight == 0)
+        proxy.latency_s = 1.0
+        proxy.max_in_flight = 0
+        second = asyncio.create_task(fetcher.prefetch(urls[1]))
+        await until(lambda: proxy.in_flight == 1)  # the second's GET, waiting 1 s
+        go_on.set()  # the first's check fails now: its GET again needs the slot
+        assert await first and await second
+    gets = [r.path.rsplit("/", 1)[-1] for r in proxy.requests("GET")]
+    assert gets == ["shard-0000.tar", "shard-0001.tar", "shard-0000.tar"]
+    assert proxy.max_in_flight == 1
