@@ -126,6 +126,15 @@ class ServerConfig:
     # The bytes one user's leases may pin, as a share of the hot tier's bound when the
     # daemon started (computed once).
     max_pinned_share_per_user: float = 0.75
+    # Connections kept per local user (the uid of an ipc peer) and in total; one past a cap
+    # is shut as it is accepted (cached/admission.py). A reader process holds two (its
+    # requests and its heartbeats): 64 readers of one user are 128. The descriptor limit
+    # may hold fewer, and then the daemon keeps fewer (cached/descriptors.py, "cached
+    # status" shows the caps in force). Admin HTTP connections ([server] http) are capped
+    # apart.
+    max_connections_per_user: int = 512
+    max_connections: int = 2048
+    max_http_connections: int = 64
     # Training jobs' reports (cached/jobs.py): a process silent this long is forgotten (live
     # ones report at least every 30 s), and at most this many jobs are followed at once
     # (each is a label value of the cached_job_* series).
@@ -158,6 +167,9 @@ class CacheConfig:
     policy: str = "belady"
     # How long a fetch waits for readers to release pinned shards before CacheFull.
     pin_wait_s: float = 30.0
+    # Shard files kept open for socket reads (a bounded LRU, closed after 60 s unread):
+    # each is a descriptor, and the tier may hold tens of thousands of shards.
+    max_open_files: int = 1024
     # Check each served member's checksum before sending it (rotten bytes are dropped and
     # fetched again). Off: only shards reloaded at start are checked, once, before use.
     verify_reads: bool = True

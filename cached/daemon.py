@@ -19,8 +19,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from . import __version__
+from .admission import ConnectionCaps
 from .bounds import Bounds
 from .config import Config, format_size
+from .descriptors import FIXED_OVERHEAD, Budget, Limits, open_count, raise_soft_limit
 from .errors import CachedError
 from .fetcher import Fetcher
 from .history import History
@@ -69,6 +71,12 @@ class Daemon:
         self.jobs = JobBoard(
             self.metrics, timeout_s=cfg.server.job_timeout_s, max_jobs=cfg.server.max_jobs
         )
+        self.limits, self.fds = _descriptor_budget(cfg)
+        self.metrics.descriptor_limit.labels("soft").set(self.limits.soft)
+        self.metrics.descriptor_limit.labels("hard").set(self.limits.hard)
+        self.metrics.connections.set_function(
+            lambda: len(self.server.admission or ()) if hasattr(self, "server") else 0
+        )
         self.hot = HotTier(
             cfg.cache.dir,
             cfg.cache.capacity_bytes,
@@ -78,6 +86,7 @@ class Daemon:
             on_evict=self._count_eviction,
             verify_reads=cfg.cache.verify_reads,
             shared=cfg.server.local_reads,
+            max_open_files=self.fds.shard_files,
         )
 
     async def __aenter__(self) -> Daemon:
@@ -129,6 +138,11 @@ class Daemon:
                     allow=self.cfg.server.allow,
                     jobs=self.jobs,
                     local_reads=self.cfg.server.local_reads,
+                    connections=ConnectionCaps(
+                        per_user=self.fds.connections_per_user,
+                        total=self.fds.connections,
+                        refuse_from=self.fds.refuse_from,
+                    ),
                 )
             )
             # The dashboard's last minutes (GET /history), sampled from status().
@@ -141,6 +155,7 @@ class Daemon:
                         self.status,
                         self.serving,
                         history=self.history.snapshot,
+                        max_connections=self.fds.http_connections,
                     )
                 )
             except OSError as exc:
@@ -267,10 +282,30 @@ class Daemon:
             "jobs": self.jobs.summary(Counter(str(p["job"]) for p in plans if p["job"])),
             "store": self.fetcher.store_status() if hasattr(self, "fetcher") else None,
             "requests": self._requests_status(),
+            "descriptors": self._descriptors_status(),
             "loop": {
                 "worst_lag_s": round(self.loop_watch.worst_s, 4),
                 "worst_lag_last_minute_s": round(self.loop_watch.recent_worst_s(), 4),
             },
+        }
+
+    def _descriptors_status(self) -> dict[str, Any]:
+        """The descriptor limit (soft, hard), what is open, and the shares in force."""
+        fds, admission = self.fds, self.server.admission if hasattr(self, "server") else None
+        return {
+            "soft_limit": self.limits.soft,
+            "hard_limit": self.limits.hard,
+            "open": open_count(),
+            "reserve": fds.reserve,
+            "connections": len(admission) if admission is not None else 0,
+            "max_connections": fds.connections,
+            "max_connections_per_user": fds.connections_per_user,
+            "connections_by_user": admission.by_user() if admission is not None else {},
+            "connections_refused": admission.refused if admission is not None else 0,
+            "max_http_connections": fds.http_connections,
+            "http_refused": self.http.refused if hasattr(self, "http") else 0,
+            "shard_files_open": len(self.hot.files),
+            "max_open_files": fds.shard_files,
         }
 
     def _requests_status(self) -> dict[str, Any]:
@@ -347,6 +382,8 @@ class Daemon:
             m.hot_shards.set(hot.shards)
             m.pinned_shards.set(hot.pinned)
             m.fetching_shards.set(hot.fetching)
+            self.hot.files.sweep()
+            m.shard_files_open.set(len(self.hot.files))
             self.jobs.expire()
             await asyncio.sleep(1.0)
 
@@ -367,6 +404,40 @@ class Daemon:
                 last_status = now
             self.systemd.notify(*lines)
             await asyncio.sleep(period)
+
+
+def _descriptor_budget(cfg: Config) -> tuple[Limits, Budget]:
+    """The descriptor limit raised to the hard one, and shared out (cached/descriptors.py);
+    a warning where it holds fewer connections or shard files than configured."""
+    limits = raise_soft_limit()
+    server = cfg.server
+    pools = cfg.s3.max_pool_connections * (2 if cfg.cold.enabled else 1)
+    budget = Budget.plan(
+        limits.soft,
+        open_count(),
+        fixed=FIXED_OVERHEAD + pools + 2 * cfg.prefetch.concurrency,
+        max_connections=server.max_connections,
+        max_connections_per_user=server.max_connections_per_user,
+        max_open_files=cfg.cache.max_open_files,
+        max_http_connections=server.max_http_connections,
+    )
+    if limits.soft > limits.found_soft:
+        log.info("descriptor limit raised from %d to %d", limits.found_soft, limits.soft)
+    if budget.scaled(server.max_connections, cfg.cache.max_open_files):
+        log.warning(
+            "the descriptor limit (%d) holds %d connections (%d per user) and %d open shard "
+            "files, not the %d, %d and %d configured, with %d kept in reserve: raise "
+            "LimitNOFILE= (the container runtime's nofile, or `ulimit -n`)",
+            limits.soft,
+            budget.connections,
+            budget.connections_per_user,
+            budget.shard_files,
+            server.max_connections,
+            server.max_connections_per_user,
+            cfg.cache.max_open_files,
+            budget.reserve,
+        )
+    return limits, budget
 
 
 def _finite(x: float) -> float | None:

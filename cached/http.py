@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
@@ -56,8 +57,13 @@ class AdminHTTP:
         status: Callable[[], dict[str, Any]],
         ready: Callable[[], bool],
         history: Callable[[], dict[str, Any]] | None = None,
+        *,
+        max_connections: int = 64,
     ) -> None:
         host, _, port = address.rpartition(":")
+        self.max_connections = max_connections
+        self.refused = 0  # connections closed at once, past max_connections
+        self._site: asyncio.Server | None = None
         self.host, self.port = host.strip("[]"), int(port)
         self._status = status
         self._ready = ready
@@ -76,16 +82,30 @@ class AdminHTTP:
 
     async def __aenter__(self) -> AdminHTTP:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        # Not aiohttp's TCPSite: its protocol factory takes every connection, and each is a
+        # descriptor that any local user can open (cached/descriptors.py).
+        self._site = await asyncio.get_running_loop().create_server(
+            self._protocol, self.host, self.port
+        )
         # Port 0 picks a free port: read back the one the kernel chose.
-        sockets = getattr(site._server, "sockets", None)
-        if sockets:
-            self.port = sockets[0].getsockname()[1]
+        if self._site.sockets:
+            self.port = self._site.sockets[0].getsockname()[1]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._site is not None:
+            self._site.close()
         await self._runner.cleanup()
+
+    def _protocol(self) -> asyncio.BaseProtocol:
+        """aiohttp's handler for a new connection, or past max_connections open ones a
+        protocol that closes it at once."""
+        server = self._runner.server
+        assert server is not None
+        if len(server.connections) >= self.max_connections:
+            self.refused += 1
+            return _Shut()
+        return server()
 
     @property
     def url(self) -> str:
@@ -124,3 +144,11 @@ class AdminHTTP:
             charset="utf-8",
             headers=_PAGE_HEADERS,
         )
+
+
+class _Shut(asyncio.Protocol):
+    """A connection past the cap: closed as soon as it is made."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses; both have abort().
+        cast(asyncio.Transport, transport).abort()

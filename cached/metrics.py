@@ -29,6 +29,28 @@ class Metrics:
         # and python_info: what an operator checks first when the daemon misbehaves.
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
+        self.descriptor_limit = Gauge(
+            "cached_descriptor_limit",
+            "The daemon's descriptor limit (RLIMIT_NOFILE), soft (raised to the hard one at "
+            "start; process_max_fds too) and hard",
+            ["kind"],
+            registry=r,
+        )
+        self.connections = Gauge(
+            "cached_connections", "Client connections kept on the ZeroMQ socket", registry=r
+        )
+        self.connections_refused = Counter(
+            "cached_connections_refused_total",
+            "Connections shut as they were accepted, by reason: user (its user's cap), total "
+            "(the daemon's cap), descriptors (the descriptor reserve)",
+            ["reason"],
+            registry=r,
+        )
+        self.shard_files_open = Gauge(
+            "cached_shard_files_open",
+            "Hot-tier shard files kept open for socket reads (bounded: [cache] max_open_files)",
+            registry=r,
+        )
         self.hits = Counter(
             "cached_hits_total",
             "Shard opens (and whole reads) served from the hot tier",

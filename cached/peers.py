@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import struct
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -31,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+
+from .admission import Admission
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +86,15 @@ class Peers:
     """The ROUTER's connections. Call :meth:`events` when the monitor's descriptor
     (:attr:`fd`) signals; ``on_gone(peer)`` is called once for each peer that goes."""
 
-    def __init__(self, sock: zmq.Socket[bytes], on_gone: Callable[[Peer], None]) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket[bytes],
+        on_gone: Callable[[Peer], None],
+        admission: Admission | None = None,
+    ) -> None:
         self._on_gone = on_gone
+        # Keeps or shuts each accepted connection (cached/admission.py); None keeps all.
+        self.admission = admission
         self._monitor: zmq.Socket[bytes] | None = sock.get_monitor_socket(
             zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         )
@@ -94,13 +105,36 @@ class Peers:
         self._accepted: dict[int, int] = {}  # open descriptor -> seq when it was accepted
         self._gone: OrderedDict[bytes, float] = OrderedDict()
         self._seq = 0
+        # The monitor is read under this lock, by the event loop and by the guard thread
+        # (see watch); what either takes waits in _taken, in order, for the event loop.
+        self._lock = threading.Lock()
+        self._taken: deque[tuple[int, int, bool]] = deque()  # kind, descriptor, kept
+        self._guard: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._woken = False
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Take each accept in a thread of its own, so that one past a cap is shut within
+        a thread switch of being reported, not when the event loop next turns: a flood
+        of connections holds descriptors only for that long (cached/descriptors.py)."""
+        if self.admission is None or self._guard is not None:
+            return
+        self._guard = threading.Thread(
+            target=self._guard_run, args=(loop,), name="cached-accepts", daemon=True
+        )
+        self._guard.start()
 
     def close(self) -> None:
         """Stop monitoring (before the ROUTER closes)."""
-        if self._monitor is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._monitor = None
+        if self._guard is not None:
+            self._stop.set()
+            self._guard.join()
+            self._guard = None
+        with self._lock:
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
+                self._monitor = None
 
     def identify(self, ident: bytes, frame: zmq.Frame) -> Peer | None:
         """The peer that sent ``frame`` (received with ``copy=False``) under a routing id
@@ -132,25 +166,65 @@ class Peers:
         return peer
 
     def events(self) -> None:
-        """Take the monitor's pending events: accepted descriptors open, disconnected ones
-        close and their peers go."""
+        """Apply the monitor's events, on the event loop: accepted descriptors open (where
+        admitted), disconnected ones close and their peers go."""
+        with self._lock:
+            self._woken = False
+            self._take()
+            taken, self._taken = self._taken, deque()
+        for kind, fd, kept in taken:
+            if kind == zmq.EVENT_ACCEPTED:
+                if kept:
+                    self._seq += 1
+                    self._accepted[fd] = self._seq
+            else:
+                self._accepted.pop(fd, None)
+                for peer in list(self._by_fd.get(fd, ())):
+                    self.drop(peer)
+
+    def _take(self) -> int:
+        """Read the monitor's pending events into _taken, each accept admitted or shut as
+        it is read (under the lock); returns how many."""
         monitor = self._monitor
         if monitor is None:
-            return
+            return 0
+        batch: list[tuple[int, int]] = []
         while True:
             try:
                 event = monitor.recv(zmq.NOBLOCK)
                 monitor.recv(zmq.NOBLOCK)  # the endpoint
             except zmq.Again:
-                return
-            kind, fd = _EVENT.unpack(event)
+                break
+            batch.append(_EVENT.unpack(event))
+        # A descriptor that closes later in the batch may already be another connection's:
+        # an accept followed by its own close is neither looked at nor kept (nothing it
+        # sent is handled).
+        closes = {fd: i for i, (kind, fd) in enumerate(batch) if kind == zmq.EVENT_DISCONNECTED}
+        admission = self.admission
+        for i, (kind, fd) in enumerate(batch):
             if kind == zmq.EVENT_ACCEPTED:
-                self._seq += 1
-                self._accepted[fd] = self._seq
+                kept = closes.get(fd, -1) < i and (admission is None or admission.accepted(fd))
+                self._taken.append((kind, fd, kept))
             elif kind == zmq.EVENT_DISCONNECTED:
-                self._accepted.pop(fd, None)
-                for peer in list(self._by_fd.get(fd, ())):
-                    self.drop(peer)
+                if admission is not None:
+                    admission.closed(fd)
+                self._taken.append((kind, fd, False))
+        return len(batch)
+
+    def _guard_run(self, loop: asyncio.AbstractEventLoop) -> None:
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        while not self._stop.is_set():
+            # The descriptor signals a change, not each event: look at least every 50 ms.
+            poller.poll(50)
+            with self._lock:
+                if not self._take() or self._woken:
+                    continue
+                self._woken = True
+            try:
+                loop.call_soon_threadsafe(self.events)
+            except RuntimeError:  # the loop closed
+                return
 
     def drop(self, peer: Peer) -> None:
         """``peer`` went away (its descriptor closed, or a send said it is unreachable)."""

@@ -39,11 +39,12 @@ from cached_client.urls import check_all, parse
 
 from . import __version__, socketmode
 from .access import DEFAULT_ALLOW, Access
+from .admission import Admission, ConnectionCaps
 from .bounds import Bounds
 from .datasets import Dataset, Datasets, checked, resolve
-from .fetcher import AHEAD, DEMAND, PREFETCH, Fetcher, shard_id
 from .datasets import key as dataset_key
 from .errors import CachedError, LimitExceeded, OutOfRange, ProtocolError, VersionMismatch
+from .fetcher import AHEAD, DEMAND, PREFETCH, Fetcher, shard_id
 from .jobs import JobBoard, Report
 from .layouts import chosen, packed_layout
 from .leases import Leases
@@ -220,8 +221,15 @@ class Server:
         allow: Sequence[str] = DEFAULT_ALLOW,
         jobs: JobBoard | None = None,
         local_reads: bool = True,
+        connections: ConnectionCaps | None = None,
     ) -> None:
         self.endpoint = endpoint
+        # Which accepted connections are kept (cached/admission.py); None: all.
+        self.admission = (
+            Admission(connections, lambda reason: metrics.connections_refused.labels(reason).inc())
+            if connections is not None
+            else None
+        )
         # Answer reads that ask for it with the shard file's layout, not its bytes.
         self.local_reads = local_reads
         self.socket_mode = socket_mode
@@ -309,7 +317,7 @@ class Server:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.copy_threshold = COPY_THRESHOLD_BYTES
         # Before bind: no connection may come unseen (see cached/peers.py).
-        self.peers = Peers(sock, self._gone)
+        self.peers = Peers(sock, self._gone, self.admission)
         try:
             sock.bind(self.endpoint)
         except zmq.ZMQError as exc:
@@ -417,6 +425,7 @@ class Server:
         loop = asyncio.get_running_loop()
         loop.add_reader(fd, self._readable.set)
         loop.add_reader(peers.fd, peers.events)
+        peers.watch(loop)
         known = peers.by_ident
         most = self.bounds.max_requests_per_client
         taken = 0

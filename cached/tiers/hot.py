@@ -48,7 +48,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,8 @@ from ..errors import CacheError, CacheFull
 from ..policy import EvictionPolicy
 from ..sources.base import ObjectInfo
 from .index import Member, ShardIndex
-from .pread import ShardFile, read_members
+from .openfiles import OpenFiles
+from .pread import read_members
 from .sidecar import Sidecar
 from .writer import ShardFiles
 
@@ -122,7 +123,6 @@ class Shard:
     location: dict[str, Any] | None = None
     # Counts renewals: a check that ran on an earlier copy does not judge the current one.
     generation: int = 0
-    _file: ShardFile | None = field(default=None, repr=False)
 
     def renew(self, reserved_bytes: int, info: ObjectInfo) -> None:
         """Start over as a fresh download of the same shard (after a copy was found
@@ -135,13 +135,6 @@ class Shard:
         self.checksum = None
         self.verified = True
         self.location = None
-        self._file = None
-
-    def file(self, path: Path) -> ShardFile:
-        """The shard's file, opened once and shared by every read. Raises OSError."""
-        if self._file is None:
-            self._file = ShardFile(path)
-        return self._file
 
 
 @dataclass(frozen=True)
@@ -175,8 +168,11 @@ class HotTier:
         shared: bool = False,
         on_evict: Callable[[Shard], None] | None = None,
         verify_reads: bool = True,
+        max_open_files: int = 1024,
     ) -> None:
         self.dir = directory
+        # Shard files open for socket reads: a bounded LRU (cached/tiers/openfiles.py).
+        self.files = OpenFiles(max_open_files)
         self.configured_bytes = capacity_bytes  # [cache] capacity; see capacity_bytes
         self.min_free_bytes = min_free_bytes
         self.policy = policy
@@ -399,7 +395,7 @@ class HotTier:
         """
         generation, check = shard.generation, self.verify_reads
         try:
-            file = shard.file(self._tar(shard.shard_id))
+            file = self.files.get(shard.shard_id, self._tar(shard.shard_id))
             if sum(m.size for m in members) >= THREAD_CHECK_BYTES:
                 frames, bad = await asyncio.to_thread(read_members, file, members, check)
             else:
@@ -661,7 +657,7 @@ class HotTier:
         # Reads under way keep the file open (their descriptor outlives the unlink).
         self._idx(shard.shard_id).unlink(missing_ok=True)
         self._discard(self._tar(shard.shard_id), shard.reserved_bytes)
-        shard._file = None
+        self.files.forget(shard.shard_id)
         self._notify()
 
     def _discard(self, path: Path, size: int) -> None:
