@@ -11,6 +11,9 @@ class CachedError(Exception):
     """Base of every error the daemon raises on purpose."""
 
     code: ErrorCode = ErrorCode.INTERNAL
+    # Asking again cannot help (the reply says so: "lasting", docs/protocol.md): the
+    # client raises it at once, where it asks again after other transient codes.
+    lasting: bool = False
 
 
 class ConfigError(CachedError, ValueError):
@@ -54,6 +57,13 @@ class CacheFull(CacheError):
     """No room: every resident shard is pinned by a reader, or the disk is at its floor."""
 
     code = ErrorCode.CACHE_FULL
+
+
+class NeverFits(CacheFull):
+    """The shard is larger than the hot tier can ever hold ([cache] capacity, or the file
+    system less ``min_free``): no wait or retry makes room."""
+
+    lasting = True
 
 
 class NotATarError(CacheError, ValueError):

@@ -39,7 +39,16 @@ from .sources.retry import StoreUnavailable
 from .tiers.checks import Checks
 from .tiers.hot import HotTier, NotAdmitted, Shard, ShardWriter
 
-__all__ = ["AHEAD", "DEMAND", "PREFETCH", "Fetcher", "PrioritySlots", "SourceLike", "shard_id"]
+__all__ = [
+    "AHEAD",
+    "DEMAND",
+    "PREFETCH",
+    "Fetcher",
+    "GaveWay",
+    "PrioritySlots",
+    "SourceLike",
+    "shard_id",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +70,10 @@ CHANGED_RETRIES = 3
 # Attempts of a download whose writes find the disk full (another program filled it):
 # each removes its partial file, evicts and GETs again.
 DISK_FULL_ATTEMPTS = 3
+# How long a GET that answered (its body held at the CRT for native.HOLD_S, 5 s, or a
+# botocore body on an open connection) waits for evicted files to leave the disk before
+# its body is dropped; the bytes then come with a new GET once there is room.
+HELD_UNLINK_WAIT_S = 1.0
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
@@ -88,6 +101,12 @@ class SourceLike(Protocol):
     def promote_enabled(self, info: ObjectInfo) -> bool: ...
 
     async def promote(self, info: ObjectInfo, path: Path) -> None: ...
+
+
+class GaveWay(Exception):
+    """A reader's open ahead (asked to give way) found no room for its shard: the tier
+    holds what the reader reads now. It is answered "not resident", and the reader asks
+    again, as a demand, when it gets there (docs/protocol.md, ``give_way``)."""
 
 
 def shard_id(info: ObjectInfo) -> str:
@@ -146,6 +165,7 @@ class Fetcher:
         self._promotions: set[asyncio.Task[None]] = set()
         metrics.store_reachable.set_function(lambda: float(self.lookups.health.reachable))
         hot.on_corrupt(lambda _shard, found: metrics.corrupt_shards.labels(found).inc())
+        hot.on_wait(self._waited)
         self.checks = Checks(hot)
         # Reloaded shards are read back in the background; readiness does not wait.
         self._checking: asyncio.Task[None] | None = None
@@ -180,6 +200,12 @@ class Fetcher:
             return None  # not resident, or from a sidecar that predates its origin
         return shard.info
 
+    def _waited(self, wait: str, seconds: float, timed_out: bool) -> None:
+        """A reservation in the hot tier waited (:mod:`.tiers.waits`): counted."""
+        self.metrics.hot_waits.labels(wait).observe(seconds)
+        if timed_out:
+            self.metrics.hot_wait_timeouts.labels(wait).inc()
+
     def _answered(self, info: ObjectInfo) -> None:
         """The store described ``info``: a resident copy from an old sidecar learns it."""
         shard = self.resident(info)
@@ -191,7 +217,7 @@ class Fetcher:
         return self.hot.get(shard_id(info), access=False)
 
     async def ensure(
-        self, url: str, priority: int = DEMAND, *, revalidate: bool = True
+        self, url: str, priority: int = DEMAND, *, revalidate: bool = True, give_way: bool = False
     ) -> tuple[Shard, bool]:
         """The READY shard for ``url`` and whether it was already resident (a hit).
 
@@ -199,15 +225,22 @@ class Fetcher:
         ``[s3] revalidate_s``; reads pass False and keep to the version known. A URL
         whose version must be asked and that the hot tier holds no copy of costs one GET.
         Raises ``FetchError`` (``ObjectNotFound``...), ``NotATarError`` or ``CacheFull``.
+
+        ``give_way``: an open the reader does not wait for yet (ahead, or the next shard
+        while it reads the one before) that finds no room for its shard (``AHEAD``: once
+        it has waited for the prefetcher) raises :class:`GaveWay` instead of waiting for
+        room or failing with ``CacheFull``: a small tier serves its reader one shard at
+        a time. With no room for a shard of the typical size, its lookup is a HEAD, not
+        a GET whose body would be dropped.
         """
         # An open ahead waits for others' downloads this long in all, its lookup included.
         deadline = time.monotonic() + self.hot.pin_wait_s
 
         async def attempt(info: ObjectInfo) -> tuple[Shard, bool]:
-            return await self._ensure(info, priority, deadline)
+            return await self._ensure(info, priority, deadline, give_way)
 
         return await self._following_changes(
-            url, priority, attempt, revalidate=revalidate, deadline=deadline
+            url, priority, attempt, revalidate=revalidate, deadline=deadline, give_way=give_way
         )
 
     async def _following_changes(
@@ -218,12 +251,15 @@ class Fetcher:
         *,
         revalidate: bool,
         deadline: float = 0.0,
+        give_way: bool = False,
     ) -> T:
         """``attempt(info)`` with the object's description (:meth:`_lookup`); if the
         object was replaced while it downloaded (``ObjectChanged``), again with the
         version the store has now, up to ``CHANGED_RETRIES`` times in all."""
         for tries in range(1, CHANGED_RETRIES + 1):
-            info = await self._lookup(url, priority, revalidate=revalidate, deadline=deadline)
+            info = await self._lookup(
+                url, priority, revalidate=revalidate, deadline=deadline, give_way=give_way
+            )
             try:
                 return await attempt(info)
             except ObjectChanged:
@@ -233,7 +269,7 @@ class Fetcher:
         raise AssertionError("unreachable")
 
     async def _lookup(
-        self, url: str, priority: int, *, revalidate: bool, deadline: float
+        self, url: str, priority: int, *, revalidate: bool, deadline: float, give_way: bool
     ) -> ObjectInfo:
         """The object's description: the answer known (:meth:`Lookups.fresh`); for a URL
         the hot tier holds a copy of, a HEAD (a revalidation, with no download to share
@@ -251,6 +287,8 @@ class Fetcher:
             if info is not None:
                 return info
             priority = DEMAND
+        if give_way and not self.hot.room_now(self.typical_size_bytes() or 0):
+            return await self.lookups.get(url, revalidate=revalidate)  # it will give way
         return await self._open(url, priority)
 
     async def _answered_soon(
@@ -364,18 +402,26 @@ class Fetcher:
             return shard
         return shard if await self.checks.verify(shard) else None
 
-    async def _ensure(self, info: ObjectInfo, priority: int, deadline: float) -> tuple[Shard, bool]:
+    async def _ensure(
+        self, info: ObjectInfo, priority: int, deadline: float, give_way: bool = False
+    ) -> tuple[Shard, bool]:
         sid = shard_id(info)
         # Spared by eviction from its publication until the caller pins it (no await
         # between our return and its pin), or it may be gone before the caller's turn.
         with self.hot.wanted(sid):
-            return await self._bring_in(sid, info, priority, deadline)
+            try:
+                return await self._bring_in(sid, info, priority, deadline, give_way)
+            except CacheFull:
+                if not give_way:
+                    raise
+                raise GaveWay(info.url) from None
 
     async def _bring_in(
-        self, sid: str, info: ObjectInfo, priority: int, deadline: float
+        self, sid: str, info: ObjectInfo, priority: int, deadline: float, give_way: bool
     ) -> tuple[Shard, bool]:
         """``_ensure``'s work, for a caller that holds ``hot.wanted(sid)``. An open ahead
-        waits for someone else's download until ``deadline``."""
+        waits for someone else's download until ``deadline``; then, with ``give_way``, it
+        fetches only if there is room now (:class:`GaveWay`)."""
         shard = await self._usable(self.hot.get(sid))
         if shard is not None:
             return shard, True
@@ -385,6 +431,9 @@ class Fetcher:
             if shard is not None:
                 return shard, False
             priority = DEMAND
+        running = self._inflight.get(sid)
+        if give_way and (running is None or running.done()) and not self.hot.room_now(info.size):
+            raise GaveWay(info.url)
         deadline = 0.0
         while True:
             task = await self._join(sid, info, priority)
@@ -591,14 +640,16 @@ class Fetcher:
         """Room for the shard in the hot tier, before any byte lands (the hard bound).
 
         A GET that has answered does not wait for room: its connection would sit for up
-        to ``pin_wait_s`` with the store sending into it. Without room at once its body
-        is closed unread, and the bytes come with a new GET (``If-Match``) once there is
-        room. A prefetch never waits (:class:`NotAdmitted`; the caller closes the body).
+        to ``pin_wait_s`` with the store sending into it (a native GET's body is held for
+        5 s at most). It waits :data:`HELD_UNLINK_WAIT_S` at most for evicted files to
+        leave the disk. Without room then its body is closed unread, and the bytes come
+        with a new GET (``If-Match``) once there is room. A prefetch never waits for
+        readers (:class:`NotAdmitted`; the caller closes the body).
         """
         prefetch = priority == PREFETCH
         if opened is not None and not prefetch:
             try:
-                return await self.hot.reserve(sid, info, wait_s=0)
+                return await self.hot.reserve(sid, info, wait_s=0, unlink_wait_s=HELD_UNLINK_WAIT_S)
             except CacheFull:
                 opened.close()
         return await self.hot.reserve(sid, info, prefetch=prefetch)

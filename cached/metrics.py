@@ -83,6 +83,21 @@ class Metrics:
         self.retries = Counter(
             "cached_fetch_retries_total", "Retried remote requests", ["reason"], registry=r
         )
+        self.hot_waits = Histogram(
+            "cached_hot_wait_seconds",
+            "Time reservations in the hot tier waited, by what for: room (readers' pins, "
+            "downloads under way, the disk) or unlink (evicted files leaving the disk)",
+            ["wait"],
+            buckets=_FETCH_BUCKETS,
+            registry=r,
+        )
+        self.hot_wait_timeouts = Counter(
+            "cached_hot_wait_timeouts_total",
+            "Reservations in the hot tier whose wait ran out its deadline ([cache] pin_wait_s; "
+            "a GET held at its headers waits 1 s for unlinks)",
+            ["wait"],
+            registry=r,
+        )
         self.evictions = Counter("cached_evictions_total", "Shards evicted", registry=r)
         self.evicted_bytes = Counter(
             "cached_evicted_bytes_total", "Bytes evicted from the hot tier", registry=r

@@ -44,7 +44,7 @@ from .bounds import Bounds
 from .datasets import Dataset, Datasets, checked, resolve
 from .datasets import key as dataset_key
 from .errors import CachedError, LimitExceeded, OutOfRange, ProtocolError, VersionMismatch
-from .fetcher import AHEAD, DEMAND, PREFETCH, Fetcher, shard_id
+from .fetcher import AHEAD, DEMAND, PREFETCH, Fetcher, GaveWay, shard_id
 from .jobs import JobBoard, Report
 from .layouts import chosen, packed_layout
 from .leases import Leases
@@ -749,6 +749,8 @@ class Server:
             cancelled = True
         except CachedError as exc:
             reply, result = error(request_id, exc.code, str(exc)), exc.code.value
+            if exc.lasting:
+                reply["lasting"] = True  # the client does not ask again
         except (WireProtocolError, ValueError) as exc:
             reply, result = error(request_id, ErrorCode.BAD_REQUEST, str(exc)), "bad_request"
         except Exception as exc:
@@ -887,8 +889,11 @@ class Server:
             "ahead" if header.get("ahead") else "prefetch" if header.get("prefetch") else "demand"
         )
         started = time.monotonic()
+        give_way = count and header.get("give_way") is True  # opens only
         # Opens ask the store again after [s3] revalidate_s; reads keep the version known.
-        shard, hit = await self.fetcher.ensure(url, _PRIORITY[kind], revalidate=count)
+        shard, hit = await self.fetcher.ensure(
+            url, _PRIORITY[kind], revalidate=count, give_way=give_way
+        )
         if count and hit:
             self.metrics.hits.inc()
         elif count:
@@ -986,7 +991,11 @@ class Server:
         self.planner.flush()
 
     async def _open(self, header: Header, client: Peer) -> Header:
-        shard, _, hit = await self._shard(header, client, count=True)
+        try:
+            shard, _, hit = await self._shard(header, client, count=True)
+        except GaveWay:
+            # No room ahead of the reader (a small tier): it asks again when it gets there.
+            return {"url": _url(header), "resident": False}
         assert shard.index is not None
         return {
             "url": shard.url,

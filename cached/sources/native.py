@@ -46,6 +46,7 @@ from botocore import exceptions as boto_exc
 from ..config import S3Config
 from ..errors import VerifyError
 from ..once import seen
+from .retry import HoldExpired
 
 try:
     from awscrt import auth, http
@@ -298,6 +299,8 @@ class NativeGet:
         self._hold = hold
         self._go = threading.Event()
         self._dropped = False
+        # Set on the CRT's thread when the hold ran out before the caller decided.
+        self._expired = False
         self._received = 0
 
     # -- on CRT threads ------------------------------------------------------------------
@@ -307,8 +310,11 @@ class NativeGet:
         self._loop.call_soon_threadsafe(_settle, self._answer, got)
         if not self._hold or status_code >= 300:
             return
-        if not self._go.wait(HOLD_S) or self._dropped:
+        if not self._go.wait(HOLD_S):
+            self._expired = True
             # Raised here, it ends the request: the CRT reports it as the failure.
+            raise _Dropped(f"the body was not let come within {HOLD_S:.0f}s")
+        if self._dropped:
             raise _Dropped("the body was not wanted")
 
     def on_progress(self, progress: int) -> None:
@@ -384,6 +390,12 @@ class NativeGet:
             await self.cancel()
             raise
         except Exception as exc:
+            if self._expired:
+                # The caller took longer than the hold (room, the request budget): the
+                # store's answer is gone; the retry asks again (If-Match), counted.
+                raise HoldExpired(
+                    f"the GET's body was held past {HOLD_S:.0f}s and dropped; fetching it again"
+                ) from exc
             raise _translated(exc) from exc
         if self._received != size:
             # A part shorter than asked (a store that answered a range with fewer bytes
@@ -396,7 +408,8 @@ class NativeGet:
 
 
 class _Dropped(Exception):
-    """A held body its caller did not want (or did not decide on within HOLD_S)."""
+    """A held body its caller did not want (or did not decide on within HOLD_S: then
+    :meth:`NativeGet.finish` raises :class:`~.retry.HoldExpired` instead)."""
 
 
 def _unlink(path: Path) -> None:

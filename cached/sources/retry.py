@@ -32,7 +32,10 @@ THROTTLED: Final = "throttled"
 SERVER_ERROR: Final = "server_error"
 # A whole body fetched again because it failed its checksum in transit.
 CORRUPT: Final = "corrupt"
-RETRY_REASONS: Final = (TIMEOUT, CONNECTION, THROTTLED, SERVER_ERROR, CORRUPT)
+# A GET held at its headers (a native open) whose body was not let come within its hold:
+# the store's answer was given up, and a fresh GET (``If-Match``) brings the body.
+HOLD_EXPIRED: Final = "hold_expired"
+RETRY_REASONS: Final = (TIMEOUT, CONNECTION, THROTTLED, SERVER_ERROR, CORRUPT, HOLD_EXPIRED)
 
 # S3 and S3-compatible stores say "slow down" with these codes (503 SlowDown is S3's own).
 _THROTTLE_CODES: Final = frozenset(
@@ -72,6 +75,12 @@ class StoreUnavailable(FetchError):
 
 class StoreTimeout(StoreUnavailable, FetchTimeout):
     """:class:`StoreUnavailable` whose last failure was a timeout."""
+
+
+class HoldExpired(Exception):
+    """A GET held at its headers was not let go on within its hold (the caller waited for
+    room, or for the request budget, longer): its body was dropped unread. Retried as
+    :data:`HOLD_EXPIRED`, by a fresh GET of the version the headers named."""
 
 
 @dataclass(frozen=True)
@@ -125,13 +134,16 @@ def _client_error_reason(exc: boto_exc.ClientError) -> str | None:
 def transient_reason(exc: BaseException) -> str | None:
     """Why ``exc`` is worth retrying (one of ``RETRY_REASONS``), or None if it is not.
 
-    Transient: HTTP 5xx (503 and 429 count as throttling), timeouts, and connections
-    refused, reset or closed mid-body. Not transient: every other HTTP status (404, 403,
-    412, 416, ...), our own errors (a ``VerifyError`` or an exhausted inner budget), and
-    anything unknown, which should surface rather than be retried blindly.
+    Transient: HTTP 5xx (503 and 429 count as throttling), timeouts, connections
+    refused, reset or closed mid-body, and a held GET's body dropped
+    (:class:`HoldExpired`). Not transient: every other HTTP status (404, 403, 412, 416,
+    ...), our own errors (a ``VerifyError`` or an exhausted inner budget), and anything
+    unknown, which should surface rather than be retried blindly.
     """
     if isinstance(exc, CachedError):
         return None
+    if isinstance(exc, HoldExpired):
+        return HOLD_EXPIRED
     if isinstance(exc, boto_exc.ClientError):
         return _client_error_reason(exc)
     # Timeouts first: botocore's ReadTimeoutError is also an HTTPClientError, and

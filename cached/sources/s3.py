@@ -781,11 +781,10 @@ class S3Source(OwnsStack):
         store's checksum by the CRT, else the MD5 of a plain ETag over the file, and the
         size. Each GET is retried whole (a failed one leaves holes, not a prefix).
         ``held``: the open's GET (:meth:`open`), whose body comes first, into its landing
-        file, which then replaces ``path``; it knew no checksum to ask the CRT for, and
-        ``asked``, the HEAD that asks the store for one, is awaited once the body is in
-        (its checksum, in C over the file, then stands for the MD5); the caller cancels
-        it if it is not. ``landed`` and ``again``: as :meth:`fetch`'s ``landed`` and
-        ``rewind``, around the MD5 over the file."""
+        file, which then replaces ``path`` (held past its hold, a fresh GET brings it:
+        ``hold_expired``); ``asked``, the HEAD for the checksum it could not ask the CRT
+        for, is awaited once the body is in (its checksum, in C over the file, stands for
+        the MD5). ``landed``, ``again``: :meth:`fetch`'s, around the MD5 over the file."""
         client = self._native
         assert client is not None
         if info.size == 0:
@@ -804,14 +803,15 @@ class S3Source(OwnsStack):
             nonlocal held, asked, checksum
             first, held = held, None
             if first is None:
+                head, asked = asked, None
+                checksum = (head and await head) or checksum
                 return await client.get(
                     loc.bucket, loc.key, path, size=info.size, etag=info.etag, checksum=checksum
                 )
             try:
                 got = await first.finish(info.size)
-                if asked is not None:
-                    head, asked = asked, None
-                    checksum = await head or checksum  # later attempts: the CRT checks it
+                head, asked = asked, None
+                checksum = (head and await head) or checksum  # later attempts: the CRT checks it
                 intact = await asyncio.to_thread(_land, first.path, path, checksum)
             except BaseException:
                 first.path.unlink(missing_ok=True)

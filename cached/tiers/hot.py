@@ -32,7 +32,8 @@ free space, less ``[cache] min_free``), looked up again as other programs fill o
 the disk. Too little room evicts by the policy; reservation waits only for readers to
 release pins (or the disk to free up), and fails with :class:`CacheFull` when they do not
 within the timeout. An evicted file leaves the disk when its worker thread has unlinked
-it: a reservation that needs those bytes waits for that as well (not held to the timeout).
+it: a reservation that needs those bytes waits for that as well, to a deadline of its own
+(:mod:`.waits`: every wait is bounded and counted).
 A write that still finds the disk full (ENOSPC) removes its partial file; the fetcher
 evicts and fetches again.
 """
@@ -52,13 +53,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CacheError, CacheFull
+from ..errors import CacheError, CacheFull, NeverFits
 from ..policy import EvictionPolicy
 from ..sources.base import ObjectInfo
 from .index import Member, ShardIndex
 from .openfiles import OpenFiles
 from .pread import read_members
 from .sidecar import Sidecar
+from .waits import ROOM, UNLINK, OnWait, Waits
 from .writer import ShardFiles
 
 log = logging.getLogger(__name__)
@@ -183,6 +185,7 @@ class HotTier:
         self.verify_reads = verify_reads
         self._on_evict = on_evict
         self._on_corrupt: list[Callable[[Shard, str], None]] = []
+        self._on_wait: list[OnWait] = []
         self._shards: dict[str, Shard] = {}
         self._by_url: dict[str, str] = {}  # URL -> id of its newest READY shard
         # Shards dropped as corrupt while readers held them, by id: a new download of the
@@ -379,6 +382,11 @@ class HotTier:
 
     # -- integrity -------------------------------------------------------------------------
 
+    def on_wait(self, listener: OnWait) -> None:
+        """Call ``listener(wait, seconds, timed_out)`` for each kind of wait (:mod:`.waits`)
+        a reservation made, once it ends."""
+        self._on_wait.append(listener)
+
     def on_corrupt(self, listener: Callable[[Shard, str], None]) -> None:
         """Call ``listener(shard, found)`` whenever a shard is dropped as corrupt; ``found``
         is ``"read"`` (a read's members failed their checksums), ``"io"`` (a read failed:
@@ -479,54 +487,67 @@ class HotTier:
         *,
         prefetch: bool = False,
         wait_s: float | None = None,
+        unlink_wait_s: float | None = None,
     ) -> ShardWriter:
         """Account room for the object ``info`` describes, evicting others, and open its
         writer.
 
         Waits up to ``wait_s`` (default ``pin_wait_s``; 0: not at all) for pinned or
-        in-flight shards, or the disk, to make room; raises :class:`CacheFull` after that,
-        or at once when the shard can never fit (the capacity, or the whole file system
-        less ``min_free``, is smaller).
+        in-flight shards, or the disk, to make room, and up to ``unlink_wait_s`` (default
+        ``pin_wait_s``: not a wait on readers) for evicted files to leave the disk;
+        raises :class:`CacheFull` after that, or :class:`NeverFits` at once when the
+        shard can never fit (the capacity, or the whole file system less ``min_free``, is
+        smaller). Each wait is reported (:mod:`.waits`).
 
-        A ``prefetch`` never waits and evicts only what the policy admits (shards needed
-        later than this one); it raises :class:`NotAdmitted` without evicting anything
-        when that is not enough.
+        A ``prefetch`` waits for no reader and evicts only what the policy admits (shards
+        needed later than this one); it raises :class:`NotAdmitted` without evicting
+        anything when that is not enough, or when the files it evicted are not unlinked
+        within ``pin_wait_s``.
         """
         url, size = info.url, info.size
         need = reservation_bytes(size)
         if need > self.configured_bytes:
-            raise CacheFull(
+            raise NeverFits(
                 f"{url} ({size} bytes) is larger than the hot tier's capacity "
                 f"({self.configured_bytes} bytes); raise [cache] capacity"
             )
         st = os.statvfs(self.dir)
         if need > st.f_blocks * st.f_frsize - self.min_free_bytes:
-            raise CacheFull(
+            raise NeverFits(
                 f"no room for {url} ({size} bytes) on the file system holding the hot tier "
                 f"({self.dir}: {st.f_blocks * st.f_frsize} bytes in all, less [cache] "
                 f"min_free {self.min_free_bytes}); lower min_free or use a larger disk"
             )
-        if prefetch:
-            while True:
+        now = time.monotonic()
+        wait_s = self.pin_wait_s if wait_s is None or prefetch else wait_s
+        unlink_s = self.pin_wait_s if unlink_wait_s is None else unlink_wait_s
+        waits = Waits({ROOM: now + wait_s, UNLINK: now + unlink_s}, lambda: self._on_wait)
+        while True:
+            if prefetch:
                 victims = self._admitted_victims(url, need)
                 if victims is None:
                     raise NotAdmitted(url)
                 for victim in victims:
                     self._evict(victim)
+            if prefetch or self._make_room(need):
                 if self._fits_on_disk(need):
+                    waits.done()
                     return self._open_writer(shard_id, info, need)
-                await self.changed(DISK_LOOK_S)  # an evicted file's unlink ends
-        deadline = time.monotonic() + (self.pin_wait_s if wait_s is None else wait_s)
-        while True:
-            if self._make_room(need):
-                if self._fits_on_disk(need):
-                    return self._open_writer(shard_id, info, need)
-                # Room once the evicted files are unlinked: not a wait on readers, so it
-                # is not held to the deadline (a GET that answered waits this too).
-                await self.changed(DISK_LOOK_S)
+                if waits.left(UNLINK) <= 0:
+                    waits.done(timed_out=UNLINK)
+                    if prefetch:
+                        raise NotAdmitted(url)
+                    raise CacheFull(
+                        f"no room for {url} ({size} bytes) yet: {self._unlinking} bytes of "
+                        "evicted shards are still being unlinked (a slow disk, or the "
+                        "daemon's worker threads busy); raise [cache] pin_wait_s"
+                    )
+                # Room once the evicted files are unlinked (their worker thread wakes it).
+                await waits.wait(UNLINK, self.changed, DISK_LOOK_S)
                 continue
-            left = deadline - time.monotonic()
+            left = waits.left(ROOM)
             if left <= 0:
+                waits.done(timed_out=ROOM)
                 stats = self.stats()
                 disk = (
                     f" (the disk has room for {stats.effective_bytes} of [cache] capacity "
@@ -542,7 +563,7 @@ class HotTier:
                 )
             # A publication, eviction or unpin wakes it; room freed on the disk by another
             # program does not, so it looks again now and then.
-            await self.changed(min(left, DISK_LOOK_S))
+            await waits.wait(ROOM, self.changed, DISK_LOOK_S)
 
     def disk_full(self, need: int) -> int:
         """A write found the disk full (ENOSPC) although the tier had room for it as it
@@ -582,6 +603,16 @@ class HotTier:
             chosen.append(shard)
             freed += shard.reserved_bytes
         return None if self._short(need - freed) else chosen
+
+    def room_now(self, size: int) -> bool:
+        """Whether a download of ``size`` bytes would find room at once: the room free and
+        what eviction could free now (shards no reader holds or waits for), as the disk
+        has it. Evicts nothing."""
+        self.look_at_disk()
+        need = reservation_bytes(size)
+        if not self._short(need):
+            return True
+        return not self._short(need - sum(s.reserved_bytes for s in self._evictable()))
 
     def _make_room(self, need: int) -> bool:
         """Evict in policy order until ``need`` more bytes fit under the capacity as the

@@ -240,8 +240,38 @@ def _next_is_demand(conn: Connection, opens: deque[_Opening], stream: str) -> No
     pos, span, rid, ahead = opens[0]
     if ahead and rid is not None and not conn.has_reply(rid):
         conn.forget([rid])
+        # Fetched now, where there is room beside the shard being read; else it gives way
+        # and is asked for once that shard's reads are done (see _answered).
         opened = {"op": Op.OPEN, "url": span.url, "stream": stream, "pin": False}
-        opens[0] = (pos, span, conn.send(opened), False)
+        opens[0] = (pos, span, conn.send({**opened, "give_way": True}), False)
+
+
+def _answered(conn: Connection, rid: int) -> bool:
+    """Whether the open ``rid`` has its answer, one to read the shard by. One that gave
+    way ("resident": false) is asked again only once the reads before it are done: the
+    demand then waits for no pin of this reader's."""
+    if not conn.has_reply(rid):
+        return False
+    header = conn.arrived(rid)
+    return header is None or header.get("resident") is not False
+
+
+def _opened(conn: Connection, url: str, rid: int, stream: str) -> Header:
+    """The reply to the open ``rid`` of ``url``, the shard this reader reads next.
+
+    Before waiting for it, the pins this stream has given back go to the daemon now, not
+    with its next request: that request may be this wait's own (a local reader's last
+    shard stays pinned until its release arrives, and on a tier with room for one shard
+    the open would wait for that pin). An open that gave way is asked again, as a demand
+    (which carries those releases)."""
+    if not conn.has_reply(rid):
+        conn.flush_releases(stream)
+    header, _ = conn.wait(rid)
+    if header.get("resident") is False:  # it gave way (give_way)
+        demand = {"op": Op.OPEN, "url": url, "stream": stream, "pin": False}
+        header, _ = conn.wait(conn.send(demand))
+    conn.remember_open(url, header)
+    return header
 
 
 def pipelined_reads(
@@ -289,7 +319,9 @@ def pipelined_reads(
                 if opens:
                     # Beyond the next shard: the daemon answers once the shard is resident
                     # but leaves fetching ahead to its prefetcher (lookahead, admission).
-                    opened["ahead"] = True
+                    # Where the tier has no room for it beside the shards being read, it
+                    # gives way ("resident": false) and the shard is asked for in its turn.
+                    opened["ahead"] = opened["give_way"] = True
                 opens.append((pos, span, conn.send(opened), bool(opens)))
             while len(pending) < inflight:
                 if reads and not _may_pin(conn, reads[0], pending):
@@ -297,14 +329,13 @@ def pipelined_reads(
                 if reads:
                     read = reads.popleft()
                     pending.append((conn.send(read.header), read))
-                elif opens and (not pending or opens[0][2] is None or conn.has_reply(opens[0][2])):
+                elif opens and (not pending or opens[0][2] is None or _answered(conn, opens[0][2])):
                     pos, span, rid, _ = opens.popleft()
                     _next_is_demand(conn, opens, stream)
                     if rid is None:
                         more = [_whole(span, pos, stream, exts=exts, plan=plan)]
                     else:
-                        header, _ = conn.wait(rid)
-                        conn.remember_open(span.url, header)
+                        header = _opened(conn, span.url, rid, stream)
                         more = _reads(
                             span, pos, header, stream, exts=exts, plan=plan, local=conn.asks_local
                         )

@@ -65,6 +65,17 @@ log = logging.getLogger(__name__)
 PING_AFTER_S = 2.0
 # Shards whose open a connection remembers (a few dozen bytes each; see whole_read).
 MAX_OPENED = 1 << 16
+# Error codes a request is sent again after (docs/protocol.md, "Errors"): the daemon could
+# not serve it now (no room yet; an unexpected failure inside it), not "no". Only opens and
+# reads: they address samples by URL and index, so a repeat is answered as the first
+# would have been, and a failed one took no pin.
+TRANSIENT_CODES = frozenset({ErrorCode.CACHE_FULL, ErrorCode.INTERNAL})
+RETRIED_OPS = frozenset({Op.OPEN, Op.READ})
+# Repeats of such a request at most, after 0.5, 1 and 2 s.
+TRANSIENT_RETRIES = 3
+TRANSIENT_DELAY_S = 0.5
+# Fields of a sent request that its repeat sets afresh (send adds them again as it may).
+_RESENT_AFRESH = ("id", "local", "packed", "release")
 
 
 def resolve_endpoint(socket: str | None) -> str:
@@ -396,8 +407,30 @@ class Connection:
 
     def wait(self, request_id: int) -> tuple[Header, list[zmq.Frame]]:
         """Wait for the reply to ``request_id`` and take all its frames; raises the mapped
-        error of an error reply."""
+        error of an error reply. An open or read answered with a transient error
+        (:data:`TRANSIENT_CODES`) is sent again, :data:`TRANSIENT_RETRIES` times at most."""
+        sent = self._pending.get(request_id)
         reply = self.receive(request_id)
+        for retry in range(TRANSIENT_RETRIES):
+            code = reply.header.get("code")
+            if reply.header.get("ok") or code not in TRANSIENT_CODES or sent is None:
+                break
+            if reply.header.get("lasting") is True:  # no room will ever come, say
+                break
+            if sent.get("op") not in RETRIED_OPS:
+                break
+            delay = TRANSIENT_DELAY_S * 2**retry
+            log.warning(
+                "cached daemon at %s answered %s %s (%s); asking again in %.1fs",
+                self.endpoint,
+                sent.get("op"),
+                code,
+                reply.header.get("message"),
+                delay,
+            )
+            time.sleep(delay)
+            again = {k: v for k, v in sent.items() if k not in _RESENT_AFRESH}
+            reply = self.receive(self.send(again, local="local" in sent))
         check_reply(reply.header)
         if reply.local is not None:
             # A local reply's samples are in its packed layout: said as a socket reply's.
