@@ -6,6 +6,7 @@ the requests are ``status``, ``plan`` and raw frames)."""
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 import zmq
 from cached_client.protocol import PROTOCOL_VERSION, decode, encode
 
+from cached import weights
 from cached.demo.stack import DaemonProcess, write_config
 
 
@@ -33,15 +35,17 @@ def dealer(ctx: zmq.Context[Any], socket: str, **options: int) -> Any:
     return sock
 
 
-def storeless_daemon(directory: Path, **prefetch: Any) -> tuple[Path, str]:
+def storeless_daemon(
+    directory: Path, server: dict[str, Any] | None = None, **prefetch: Any
+) -> tuple[Path, str]:
     """The config and socket of a ``cached serve`` in ``directory`` with a store it never
     contacts (no lookahead: the prefetcher fetches nothing), for measuring the daemon
-    itself; ``prefetch`` adds ``[prefetch]`` keys."""
+    itself; ``server`` and ``prefetch`` add ``[server]`` and ``[prefetch]`` keys."""
     socket = f"ipc://{directory}/cached.sock"
     config = write_config(
         directory / "config.toml",
         {
-            "server": {"socket": socket, "http": "127.0.0.1:0"},
+            "server": {"socket": socket, "http": "127.0.0.1:0", **(server or {})},
             "cache": {"dir": str(directory / "hot"), "capacity": "1GiB", "min_free": "0"},
             "s3": {"endpoint_url": "http://127.0.0.1:9"},
             "prefetch": {"lookahead": "0", **prefetch},
@@ -119,6 +123,49 @@ def main() -> None:
             print(f"  plans left: {len(plans)} (the allocator keeps the freed memory)")
             hello.close(0)
         ctx.term()
+        long_urls(Path(tmp) / "long")
+
+
+def long_urls(directory: Path) -> None:
+    """Issue 35's long URLs: plans of URLs of 1,000 characters until one user's bytes
+    (``max_plan_bytes_per_user``, set to 256 MiB here) refuse them, what each planned URL
+    adds to the RSS against its weight (cached/weights.py), and plans of one 4 MiB URL."""
+    directory.mkdir()
+    cap = 256 << 20
+    config, socket = storeless_daemon(directory, {"max_plan_bytes_per_user": cap}, plan_grace_s=600)
+    ctx: zmq.Context[Any] = zmq.Context()
+    with DaemonProcess(config, socket) as daemon:
+        assert daemon.proc is not None
+        pid = daemon.proc.pid
+        sock = dealer(ctx, socket)
+
+        def plan(key: str, urls: list[str]) -> bool:
+            sock.send(encode({"op": "plan", "id": 1, "plan": key, "urls": urls}))
+            assert sock.poll(60_000), "the daemon does not answer"
+            return bool(decode(sock.recv_multipart()[0])["ok"])
+
+        time.sleep(1)
+        before = rss_mib(pid)
+        taken = 0
+        for p in range(100):
+            urls = [f"s3://bucket/{p:03d}-{i:08d}".ljust(1000, "k") for i in range(20_000)]
+            if not plan(f"p{p}", urls):
+                break
+            taken += len(urls)
+        time.sleep(2)
+        grown = (rss_mib(pid) - before) * (1 << 20)
+        weight = weights.plan_bytes(1, sys.getsizeof(urls[0]))
+        print(
+            f"plans of URLs of 1,000 characters under max_plan_bytes_per_user = 256 MiB: "
+            f"{taken:,} URLs taken, RSS {before:.0f} -> {rss_mib(pid):.0f} MiB, "
+            f"{grown / taken:.0f} B a URL (weight {weight} B)"
+        )
+        huge = ["s3://bucket/" + "k" * (4 << 20)]
+        refused = sum(not plan(f"huge{i}", huge) for i in range(24))
+        time.sleep(1)
+        print(f"24 plans of one 4 MiB URL: {refused} refused, RSS {rss_mib(pid):.0f} MiB")
+        sock.close(0)
+    ctx.term()
 
 
 if __name__ == "__main__":

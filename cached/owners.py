@@ -22,14 +22,33 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .errors import ProtocolError
+
 # Between a user and the name it chose in a key held for it. No user name holds it
 # ("uid N", "connection HEX"); a client's name may, and is kept whole after the first.
 SEP = "\x1f"
+# The longest name a client may choose: each is kept while its plan, lease or dataset
+# lives (65,536 leases of 100 MB stream names would be 6.4 TB); the client library's
+# are some 30 characters.
+MAX_NAME_CHARS = 256
+
+
+def bounded(name: str) -> str:
+    """``name``, a name a client chose (a plan key, stream, dataset or job name), if it is
+    at most MAX_NAME_CHARS long; else :class:`ProtocolError` (``bad_request``)."""
+    if len(name) > MAX_NAME_CHARS:
+        raise ProtocolError(
+            f"a plan key, stream, dataset or job name may be at most {MAX_NAME_CHARS} "
+            f"characters, not {len(name)}"
+        )
+    return name
 
 
 def scoped(user: str, name: str) -> str:
-    """The key the daemon holds ``name`` under for ``user``; ``name`` itself where there is
-    no user (a caller of the planner with no connections, e.g. ``bench/cache_sim.py``)."""
+    """The key the daemon holds ``name`` (:func:`bounded`) under for ``user``; ``name``
+    itself where there is no user (a caller of the planner with no connections, e.g.
+    ``bench/cache_sim.py``)."""
+    bounded(name)
     return f"{user}{SEP}{name}" if user else name
 
 

@@ -49,7 +49,7 @@ from .jobs import JobBoard, Report
 from .layouts import chosen, packed_layout
 from .leases import Leases
 from .metrics import Metrics
-from .owners import for_viewer, scoped
+from .owners import bounded, for_viewer, scoped
 from .peers import Peer, Peers
 from .planner import Plan, Planner, prepare
 from .tiers.hot import HotTier, Shard, ShardCorrupt
@@ -695,7 +695,8 @@ class Server:
                 live: set[Any] = {plan.key for plan in self.planner.plans()}
                 self.plan_quota.retain(live)
                 self.plan_urls.retain(live)
-                self.memory.plans.retain(live)
+                counted = self.memory.plans.keys()  # and the plans being built
+                self.memory.plans.retain(live | {k for k in counted if isinstance(k, tuple)})
             if self.datasets.drop_unnamed({plan.dataset for plan in self.planner.plans()}):
                 held: set[Any] = self.datasets.ids()
                 self.dataset_urls.retain(held)
@@ -927,37 +928,40 @@ class Server:
         # Under its user: another user's plan of the same name is another plan (owners.py).
         key = scoped(user, _str(header, "plan"))
         cursor = _int(header, "cursor") if "cursor" in header else 0
-        job = str(header.get("job", ""))
-        # Weighed from the request and checked before the plan is built, so that a plan
-        # the caps refuse costs no index (a million URLs' is some 450 MB); a plan of
-        # positions shares its dataset's strings. A long plan is weighed, checked and
-        # indexed in a worker thread, then published in steps.
-        if "dataset" in header:
+        job = bounded(str(header.get("job", "")))
+        # Weighed from the request and counted while it is built (beside the plan it
+        # replaces: both are in memory then), so that a plan the caps refuse costs no
+        # index (a million URLs' is some 450 MB) and plans built at once stay within the
+        # caps; a plan of positions shares its dataset's strings. A long plan is weighed,
+        # checked and indexed in a worker thread, then published in steps.
+        build: Callable[[], Plan]
+        shared = "dataset" in header
+        if shared:
             dataset = self.datasets.get(_str(header, "dataset"), user)
             index = header.get("index")
             if not isinstance(index, str):  # empty for a reader with no shards this time
                 raise ProtocolError("request field 'index' must be a string")
             long = len(index) > PLAN_OFFLOAD_URLS * 4 * 4 // 3  # base64 of 4-byte positions
             named = (len(index) * 3 // 4 - (len(index) - len(index.rstrip("=")))) // 4
-            self._plan_fits(client, key, named, plan_bytes(named))
-            plan = await _off_loop_if(
-                long,
-                _indexed_plan,
-                key,
-                dataset,
-                index,
-                cursor,
-                job,
-                most=self.max_plan_shards,
-                owner=user,
+            weight = plan_bytes(named)
+            most = self.max_plan_shards
+            build = functools.partial(
+                _indexed_plan, key, dataset, index, cursor, job, most=most, owner=user
             )
-            weight = plan_bytes(len(plan.urls))
         else:
             urls = _listed(header, self.max_plan_shards, "a plan")
-            long = len(urls) > PLAN_OFFLOAD_URLS
-            weight = plan_bytes(len(urls), await _off_loop_if(long, strings_bytes, urls))
-            self._plan_fits(client, key, len(urls), weight)
-            plan = await _off_loop_if(long, _checked_plan, key, urls, cursor, job)
+            long, named = len(urls) > PLAN_OFFLOAD_URLS, len(urls)
+            weight = plan_bytes(named, await _off_loop_if(long, strings_bytes, urls))
+            build = functools.partial(_checked_plan, key, urls, cursor, job)
+        self._plan_fits(client, key, named, weight)
+        building = (key, "building")  # a key of its own (expire_leases keeps it)
+        self.memory.plans.admit(ident, building, weight, user)
+        try:
+            plan = await _off_loop_if(long, build)
+        finally:
+            self.memory.plans.forget(building)
+        if shared:
+            weight = plan_bytes(len(plan.urls))
         # Again, as built: other plans may have been taken meanwhile.
         self._plan_fits(client, key, len(plan.urls), weight)
         self.memory.plans.admit(ident, key, weight, user)

@@ -180,3 +180,34 @@ def test_replies_waiting_for_a_client_that_does_not_take_them_are_capped_in_byte
             assert reply["payload_bytes"] == 0
         # What waited in the daemon: at most the cap (ZeroMQ's queue holds the rest).
         assert len(served) * 200_000 < (1 << 20) + 40 * 210_000, len(served)
+
+
+@needs_root
+def test_a_name_longer_than_256_characters_is_refused_before_anything_keeps_it(
+    s3_server: S3Server, bucket: str, proxy: FaultProxy, public_dir: Path
+) -> None:
+    """A plan key, stream, dataset or job name is kept as long as what it names (65,536
+    leases of 1 MiB stream names would be 64 GiB, counted as 65,536 leases): one over 256
+    characters is ``bad_request``, and nothing is held or fetched for the request."""
+    url = upload(s3_server, bucket, dataset_shards(1, 2))[0]
+    name = "n" * (1 << 20)
+    config, socket = shared_daemon(public_dir, proxy.endpoint_url, prefetch={})
+    with ProcessDaemon(config, socket) as daemon:
+        replies = as_other_user(
+            socket,
+            [
+                {"op": "open", "url": url, "stream": name},
+                {"op": "read", "url": url, "stream": name, "start": 0, "count": 1},
+                {"op": "plan", "plan": name, "urls": [url]},
+                {"op": "plan", "plan": "p", "urls": [url], "job": name},
+                {"op": "plan", "plan": "p", "dataset": name, "index": ""},
+                {"op": "dataset", "dataset": name, "urls": [url]},
+            ],
+        )
+        for reply in replies:
+            code, message = refusal(reply)
+            assert code == "bad_request", reply
+            assert message.endswith("may be at most 256 characters, not 1048576"), message
+        status = daemon.status()
+        assert status["plans"] == [] and status["hot"]["pinned_shards"] == 0
+    assert proxy.requests("GET") == []
