@@ -49,6 +49,7 @@ from .jobs import JobBoard, Report
 from .layouts import chosen, packed_layout
 from .leases import Leases
 from .metrics import Metrics
+from .offload import Offload
 from .owners import bounded, for_viewer, scoped
 from .peers import Peer, Peers
 from .planner import Plan, Planner, prepare
@@ -144,12 +145,6 @@ def _indexed_plan(
     return prepare(key, urls, cursor=cursor, job=job, dataset=dataset_key(dataset.id, owner))
 
 
-async def _off_loop_if(long: bool, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)``, in a worker thread where ``long``: a list of a million URLs
-    checked or indexed on the event loop would stall every other client for seconds."""
-    return await asyncio.to_thread(fn, *args, **kwargs) if long else fn(*args, **kwargs)
-
-
 def _listed(header: Header, most: int, what: str) -> list[Any]:
     """The request's ``urls``: a list of at most ``most`` (checked item by item later)."""
     urls = header.get("urls")
@@ -243,6 +238,8 @@ class Server:
         self.planner = planner if planner is not None else Planner(lease_timeout_s)
         self.max_plan_shards = max_plan_shards
         self.jobs = jobs if jobs is not None else JobBoard(metrics)
+        # Requests' work off the event loop: threads of its own, a few jobs per user.
+        self.offload = Offload()
         self.plan_quota, self.plan_urls = bounds.plan_quotas()
         # What plans, datasets and replies waiting hold in memory, in bytes (weights.py).
         self.memory = bounds.memory_quotas()
@@ -400,6 +397,7 @@ class Server:
         if self._sock is not None:
             self._sock.close(linger=0)
         self._ctx.term()
+        self.offload.close()
 
     def stuck_s(self) -> float:
         """How long a request has waited for a slot (every one held) while no request
@@ -724,7 +722,9 @@ class Server:
         try:
             # A plan of a million URLs is a 40 MB header: parsed off the event loop.
             if len(body) > DECODE_OFFLOAD_BYTES:
-                header = await asyncio.to_thread(decode, body, max_depth=MAX_REQUEST_DEPTH)
+                header = await self.offload.run(
+                    peer.user, decode, body, max_depth=MAX_REQUEST_DEPTH
+                )
             else:
                 header = decode(body, max_depth=MAX_REQUEST_DEPTH)
             request_id = _request_id(header)
@@ -905,6 +905,16 @@ class Server:
             self.leases.hold(stream, shard, client.ident, client.user)
         return shard, stream, hit
 
+    async def _off_loop_if(
+        self, user: str, long: bool, fn: Callable[..., T], *args: Any, **kwargs: Any
+    ) -> T:
+        """``fn(*args, **kwargs)``, in the request pool in ``user``'s turn where ``long``
+        (cached/offload.py): a list of a million URLs checked or indexed on the event loop
+        would stall every other client for seconds."""
+        if not long:
+            return fn(*args, **kwargs)
+        return await self.offload.run(user, fn, *args, **kwargs)
+
     async def _dataset(self, header: Header, client: Peer) -> None:
         """A dataset's URL list, told once for the plans that name positions in it."""
         dataset_id = _str(header, "dataset")
@@ -915,7 +925,7 @@ class Server:
         dataset = self.datasets.find(dataset_id, user)
         if dataset is None:
             long = len(urls) > PLAN_OFFLOAD_URLS
-            dataset = await _off_loop_if(long, checked, dataset_id, urls)
+            dataset = await self._off_loop_if(user, long, checked, dataset_id, urls)
         key, ident = dataset_key(dataset_id, user), client.ident
         weight = dataset_bytes(dataset.urls)
         self.dataset_urls.check(ident, key, len(dataset.urls), user)
@@ -951,13 +961,13 @@ class Server:
         else:
             urls = _listed(header, self.max_plan_shards, "a plan")
             long, named = len(urls) > PLAN_OFFLOAD_URLS, len(urls)
-            weight = plan_bytes(named, await _off_loop_if(long, strings_bytes, urls))
+            weight = plan_bytes(named, await self._off_loop_if(user, long, strings_bytes, urls))
             build = functools.partial(_checked_plan, key, urls, cursor, job)
         self._plan_fits(client, key, named, weight)
         building = (key, "building")  # a key of its own (expire_leases keeps it)
         self.memory.plans.admit(ident, building, weight, user)
         try:
-            plan = await _off_loop_if(long, build)
+            plan = await self._off_loop_if(user, long, build)
         finally:
             self.memory.plans.forget(building)
         if shared:
@@ -1079,7 +1089,8 @@ class Server:
             samples, nbytes = listed, sum(m.size for m in picked)
             try:
                 # Checked against their checksums first: rotten bytes are never sent.
-                frames = await self.hot.read(shard, picked)
+                off_loop = functools.partial(self.offload.run, client.user)
+                frames = await self.hot.read(shard, picked, off_loop)
                 break
             except ShardCorrupt:
                 if attempt == 2:

@@ -48,7 +48,7 @@ import os
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,8 @@ from .waits import ROOM, UNLINK, OnWait, Waits
 from .writer import ShardFiles
 
 log = logging.getLogger(__name__)
+# Runs ``fn(*args)`` in a worker thread (HotTier.read).
+OffLoop = Callable[..., Awaitable[Any]]
 
 
 # A read whose members add up to this many bytes is checked in a worker thread (xxhash
@@ -393,9 +395,13 @@ class HotTier:
         EIO, a short file) or ``"check"`` (its file, read back)."""
         self._on_corrupt.append(listener)
 
-    async def read(self, shard: Shard, members: Sequence[Member]) -> list[Any]:
+    async def read(
+        self, shard: Shard, members: Sequence[Member], off_loop: OffLoop | None = None
+    ) -> list[Any]:
         """The bytes of ``members`` of a READY shard, one buffer each (a ZeroMQ message,
         sent as it is), each checked against its checksum first (with ``verify_reads``).
+        A large read runs in a worker thread: through ``off_loop(fn, *args)`` where given
+        (the server's request pool), else asyncio's.
 
         Raises :class:`ShardCorrupt` if one does not match, or the file cannot be read
         (EIO, shorter than its index): the shard is dropped then, and a fetch brings a
@@ -405,7 +411,8 @@ class HotTier:
         try:
             file = self.files.get(shard.shard_id, self._tar(shard.shard_id))
             if sum(m.size for m in members) >= THREAD_CHECK_BYTES:
-                frames, bad = await asyncio.to_thread(read_members, file, members, check)
+                run = off_loop or asyncio.to_thread
+                frames, bad = await run(read_members, file, members, check)
             else:
                 frames, bad = read_members(file, members, check)
         except OSError as exc:
