@@ -240,6 +240,8 @@ def _status(socket: str, as_json: bool) -> int:
         rate = plan["rate_shards_per_s"]
         print(
             f"  plan {plan['stream']}"
+            # Root and the daemon's user see every user's plans, each with its user.
+            + (f" of {plan['user']}" if plan.get("user") else "")
             + (f" (job {plan['job']})" if plan.get("job") else "")
             + f": shard {plan['cursor']} of {plan['shards']}"
             + (f", {rate:.2f} shards/s" if rate else "")

@@ -27,7 +27,7 @@ from . import placement as placement_module
 from .buffers import Batch, Ring, Slot, pinned_memory_available
 from .catalog import Catalog
 from .device import CopyStream, require_device, with_index
-from .errors import ProtocolError, UsageError, check_reply
+from .errors import ProtocolError, UsageError
 from .layouts import PackedRows, check_rows
 from .local import LocalRead, choose, laid_out, plan_places
 from .reader import announce, pipelined_reads, shard_lengths
@@ -323,8 +323,7 @@ class FastLoader:
         )
         with contextlib.closing(reads):  # leaving early releases the reader's pins now
             for read, rid in reads:
-                reply = conn.receive(rid, in_place=True)
-                check_reply(reply.header)
+                reply = conn.answer(rid, in_place=True)  # checked; asked again if transient
                 part = owners[read.pos]
                 first = int(reply.header["start"]) - parts[part].start
                 packed = reply.local.rows if reply.local is not None else None

@@ -407,18 +407,26 @@ class Connection:
 
     def wait(self, request_id: int) -> tuple[Header, list[zmq.Frame]]:
         """Wait for the reply to ``request_id`` and take all its frames; raises the mapped
-        error of an error reply. An open or read answered with a transient error
-        (:data:`TRANSIENT_CODES`) is sent again, :data:`TRANSIENT_RETRIES` times at most."""
+        error of an error reply (after asking again, see :meth:`answer`)."""
+        reply = self.answer(request_id)
+        if reply.local is not None:
+            # A local reply's samples are in its packed layout: said as a socket reply's.
+            return {**reply.header, "samples": reply.samples()}, reply.frames()
+        return reply.header, reply.frames()
+
+    def answer(self, request_id: int, *, in_place: bool = False) -> Reply:
+        """:meth:`receive`'s reply to ``request_id``, checked: raises the mapped error of
+        an error reply. An open or read answered with a transient error
+        (:data:`TRANSIENT_CODES`, not ``lasting``) is sent again first,
+        :data:`TRANSIENT_RETRIES` times at most."""
         sent = self._pending.get(request_id)
-        reply = self.receive(request_id)
+        reply = self.receive(request_id, in_place=in_place)
         for retry in range(TRANSIENT_RETRIES):
             code = reply.header.get("code")
             if reply.header.get("ok") or code not in TRANSIENT_CODES or sent is None:
                 break
-            if reply.header.get("lasting") is True:  # no room will ever come, say
-                break
-            if sent.get("op") not in RETRIED_OPS:
-                break
+            if reply.header.get("lasting") is True or sent.get("op") not in RETRIED_OPS:
+                break  # no room will ever come (a shard larger than the tier), say
             delay = TRANSIENT_DELAY_S * 2**retry
             log.warning(
                 "cached daemon at %s answered %s %s (%s); asking again in %.1fs",
@@ -430,12 +438,9 @@ class Connection:
             )
             time.sleep(delay)
             again = {k: v for k, v in sent.items() if k not in _RESENT_AFRESH}
-            reply = self.receive(self.send(again, local="local" in sent))
+            reply = self.receive(self.send(again, local="local" in sent), in_place=in_place)
         check_reply(reply.header)
-        if reply.local is not None:
-            # A local reply's samples are in its packed layout: said as a socket reply's.
-            return {**reply.header, "samples": reply.samples()}, reply.frames()
-        return reply.header, reply.frames()
+        return reply
 
     def request(self, header: Header) -> tuple[Header, list[zmq.Frame]]:
         """Send a request and wait for its reply."""
