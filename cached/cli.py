@@ -236,12 +236,13 @@ def _status(socket: str, as_json: bool) -> int:
     else:
         lead = f"lookahead {format_size(pre['lookahead_bytes'])}, lead {pre['lead_s']:.1f}s"
     print(f"prefetch  {lead}, {pre['prefetches']:.0f} prefetches, {len(status['plans'])} plans")
+    me = f"uid {os.getuid()}"
     for plan in status["plans"]:
         rate = plan["rate_shards_per_s"]
         print(
             f"  plan {plan['stream']}"
             # Root and the daemon's user see every user's plans, each with its user.
-            + (f" of {plan['user']}" if plan.get("user") else "")
+            + (f" of {plan['user']}" if plan.get("user") not in (None, me) else "")
             + (f" (job {plan['job']})" if plan.get("job") else "")
             + f": shard {plan['cursor']} of {plan['shards']}"
             + (f", {rate:.2f} shards/s" if rate else "")
