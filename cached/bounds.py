@@ -68,19 +68,25 @@ class Bounds:
         """What requests leave in the daemon's memory, in bytes (cached/weights.py), per
         user and in total: plans' and datasets' URL lists, and replies waiting."""
 
-        def quota(what: str, kind: str) -> Quota:
+        def quota(what: str, kind: str, advice: str) -> Quota:
             user, total = f"max_{kind}_bytes_per_user", f"max_{kind}_bytes"
             return Quota(
                 what,
                 per_user=Cap(getattr(self, user), f"[server] {user}"),
                 total=Cap(getattr(self, total), f"[server] {total}"),
                 show=format_size,
+                advice=advice,
             )
 
+        lists = "send fewer or shorter URLs, wait for others to lapse, or raise the limit"
         return MemoryQuotas(
-            plans=quota("of plans", "plan"),
-            datasets=quota("of datasets", "dataset"),
-            replies=quota("of replies waiting", "reply"),
+            plans=quota("of plans", "plan", lists),
+            datasets=quota("of datasets", "dataset", lists),
+            replies=quota(
+                "of replies waiting",
+                "reply",
+                "take the replies waiting before asking again, or raise the limit",
+            ),
         )
 
     def lease_quotas(self, capacity_bytes: int) -> tuple[Quota, Quota]:

@@ -50,12 +50,14 @@ class Quota:
         per_user: Cap | None = None,
         total: Cap | None = None,
         show: Callable[[int], str] = _count,
+        advice: str = "release some, wait for them to lapse, or raise the limit",
     ) -> None:
         self.what = what
         self.per_client = per_client
         self.per_user = per_user
         self.total = total
         self._show = show
+        self._advice = advice  # what a refusal tells the client to do next
         self._owner: dict[Hashable, tuple[bytes, str, int]] = {}  # key -> client, user, weight
         self._keys: dict[bytes, set[Hashable]] = {}
         self._client_sum: dict[bytes, int] = {}
@@ -102,9 +104,8 @@ class Quota:
                 who = f"the daemon holds {show(held)} {self.what} for all its clients, its most"
             extra = f" (this request adds {show(weight)})" if weight != 1 else ""
             raise LimitExceeded(
-                f"{who} ({cap.says or f'{cap.config_key} = {show(cap.limit)}'}){extra}; release "
-                "some, wait for "
-                "them to lapse, or raise the limit"
+                f"{who} ({cap.says or f'{cap.config_key} = {show(cap.limit)}'}){extra}; "
+                f"{self._advice}"
             )
 
     def forget(self, key: Hashable) -> None:

@@ -107,6 +107,9 @@ def test_plans_are_capped_in_bytes_per_user_and_in_total_whatever_their_count(
         assert code == "limit_exceeded", first[1]
         assert "[server] max_plan_bytes_per_user = 1.0 MiB" in message, message
         assert "uid 65534 holds 878.3 KiB of plans" in message, message
+        assert message.endswith(
+            "send fewer or shorter URLs, wait for others to lapse, or raise the limit"
+        )
         assert [p["stream"] for p in first[2]["status"]["plans"]] == ["a"]
         # Another user has a budget of its own ...
         assert as_other_user(socket, [{"op": "plan", "plan": "a", "urls": plan}], uid=0)[0]["ok"]
@@ -177,6 +180,9 @@ def test_replies_waiting_for_a_client_that_does_not_take_them_are_capped_in_byte
             code, message = refusal(reply)
             assert code == "limit_exceeded", reply
             assert "[server] max_reply_bytes_per_user = 1.0 MiB" in message, message
+            assert message.endswith(
+                "take the replies waiting before asking again, or raise the limit"
+            )
             assert reply["payload_bytes"] == 0
         # What waited in the daemon: at most the cap (ZeroMQ's queue holds the rest).
         assert len(served) * 200_000 < (1 << 20) + 40 * 210_000, len(served)
