@@ -53,8 +53,10 @@ from .offload import Offload
 from .owners import bounded, for_viewer, scoped
 from .peers import Peer, Peers
 from .planner import Plan, Planner, prepare
+from .sent import Sent
 from .tiers.hot import HotTier, Shard, ShardCorrupt
 from .tiers.index import Member
+from .tiers.pread import TRACK_BYTES
 from .weights import dataset_bytes, frames_bytes, plan_bytes, strings_bytes
 
 log = logging.getLogger(__name__)
@@ -107,9 +109,21 @@ YIELD_EVERY = 64
 MAX_REPORT_BYTES = 4096
 # URLs one request may release (a reader holds a few pins at a time).
 MAX_RELEASED = 64
+# Reply bytes ZeroMQ may hold for one connection, not yet written (cached/sent.py): a
+# reader's 8 socket reads in flight of about 4 MiB each, twice.
+SENT_BYTES_PER_CLIENT = 64 << 20
 # A reply the client's queue cannot take yet (its high-water mark) is tried again after
 # this long, doubling up to the second figure.
 SEND_RETRY_S = (0.001, 0.05)
+
+
+def _tracker(frames: list[Any]) -> Any:
+    """The tracker of a reply's tracked frame (cached/tiers/pread.py), or None."""
+    for frame in reversed(frames):
+        tracker = getattr(frame, "tracker", None)
+        if tracker is not None:
+            return tracker
+    return None
 
 
 def _request_id(header: Header) -> int | None:
@@ -243,6 +257,11 @@ class Server:
         self.plan_quota, self.plan_urls = bounds.plan_quotas()
         # What plans, datasets and replies waiting hold in memory, in bytes (weights.py).
         self.memory = bounds.memory_quotas()
+        # Reply bytes ZeroMQ holds, not yet written (cached/sent.py), under the caps of
+        # replies waiting per user and in total, and SENT_BYTES_PER_CLIENT per connection.
+        self.sent = Sent(
+            SENT_BYTES_PER_CLIENT, bounds.max_reply_bytes_per_user, bounds.max_reply_bytes
+        )
         # Datasets told (compact plans name positions in them), and their URLs per user.
         self.datasets = Datasets(self.planner.timeout_s)
         self.dataset_urls = bounds.dataset_quota()
@@ -562,8 +581,13 @@ class Server:
         longer knows (EHOSTUNREACH) is gone."""
         sock = self._sock
         assert sock is not None
+        size = frames_bytes(frames)
+        if size >= TRACK_BYTES and not self.sent.fits(peer.ident, peer.user, size):
+            return False  # it waits in the backlog until ZeroMQ has written more
         try:
             sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            if size >= TRACK_BYTES:
+                self.sent.add(peer.ident, peer.user, _tracker(frames), size)
             return True
         except zmq.Again:
             return False
@@ -624,6 +648,7 @@ class Server:
         for frames, _ in peer.backlog:
             self.memory.replies.forget(id(frames))
         peer.backlog.clear()
+        self.sent.forget(peer.ident)
         if peer.flusher is not None:
             peer.flusher.cancel()
         if peer.session and self._sessions.get(peer.session) is peer:

@@ -37,6 +37,8 @@ _SCRATCH = memoryview(bytearray(MAX_GAP))
 # What a new message is filled from before the read overwrites it: pyzmq makes no message
 # of a size without copying something into it.
 _ZEROS = memoryview(bytes(1 << 20))
+# Replies of at least this many payload bytes are tracked until ZeroMQ has written them.
+TRACK_BYTES = 256 << 10
 
 
 class ShortRead(OSError):
@@ -76,7 +78,13 @@ def read_members(
 
     Raises OSError for a read that fails (EIO), :class:`ShortRead` for a file that ends
     too soon. Blocking: large reads run it in a worker thread."""
-    frames = [_message(m.size) for m in members]
+    frames: list[Any] = [_message(m.size) for m in members]
+    # A large reply's last member is read into a buffer of its own, sent zero-copy with a
+    # tracker that says when ZeroMQ has written it out (cached/sent.py counts the bytes
+    # until then); one hand-off to pyzmq's collector thread per reply, not per frame.
+    tracked = _tracked(members)
+    if tracked is not None:
+        frames[tracked] = bytearray(members[tracked].size)
     fd = file.fd
     run: list[Any] = []  # writable buffers: messages and scratch
     start = end = 0
@@ -96,12 +104,22 @@ def read_members(
         end = member.offset + member.size
     if run:
         _preadv(fd, run, start, end)
+    if tracked is not None:
+        frames[tracked] = zmq.Frame(frames[tracked], copy=False, track=True)
     if check:
         hash_of: Any = digest  # takes any buffer; pyzmq's stubs do not say Frame is one
         for member, frame in zip(members, frames, strict=True):
             if member.checksum is not None and hash_of(frame) != member.checksum:
                 return frames, member
     return frames, None
+
+
+def _tracked(members: Sequence[Member]) -> int | None:
+    """The member whose frame is tracked: the last with bytes, in a reply of at least
+    TRACK_BYTES; None for a smaller reply."""
+    if sum(m.size for m in members) < TRACK_BYTES:
+        return None
+    return next((i for i in range(len(members) - 1, -1, -1) if members[i].size), None)
 
 
 def _preadv(fd: int, run: list[Any], start: int, end: int) -> None:
