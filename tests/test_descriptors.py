@@ -32,7 +32,7 @@ from tests.test_daemon import upload
 
 NOBODY = 65534
 # The flood test's descriptor limit and connections. At 512 (a reserve of 83) a flood at
-# 17,000 connections a second outran the accept thread in 3 of 6 runs on this loaded
+# 17,000 connections a second outran the accept thread in 2 of 6 runs on this loaded
 # 2-core machine; at 4096 (a reserve of 980) none of 10 did, two busy loops beside it.
 LIMIT, FLOOD = 4096, 8000
 
