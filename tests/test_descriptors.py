@@ -214,9 +214,10 @@ def test_a_limit_too_low_to_serve_is_one_line_at_start(public: Path) -> None:
     assert "LimitNOFILE=" in str(exc.value)
 
 
-def test_the_budget_shares_a_short_limit_in_proportion() -> None:
-    b = Budget.plan(
-        512,
+def plan_at(limit: int) -> Budget:
+    """The budget of a limit, with 40 open, 160 for the pools and the default caps."""
+    return Budget.plan(
+        limit,
         40,
         fixed=160,
         max_connections=2048,
@@ -224,31 +225,19 @@ def test_the_budget_shares_a_short_limit_in_proportion() -> None:
         max_open_files=1024,
         max_http_connections=64,
     )
+
+
+def test_the_budget_shares_a_short_limit_in_proportion() -> None:
+    b = plan_at(512)
     used = 40 + 160 + b.connections + b.shard_files + b.http_connections
     assert used + b.reserve <= 512
     assert b.connections_per_user < b.connections
     assert b.refuse_from > used
-    roomy = Budget.plan(
-        65536,
-        40,
-        fixed=160,
-        max_connections=2048,
-        max_connections_per_user=512,
-        max_open_files=1024,
-        max_http_connections=64,
-    )
+    roomy = plan_at(65536)
     assert (roomy.connections, roomy.connections_per_user, roomy.shard_files) == (2048, 512, 1024)
     assert roomy.reserve > 10_000
     with pytest.raises(ConfigError, match="LimitNOFILE="):
-        Budget.plan(
-            100,
-            40,
-            fixed=160,
-            max_connections=2048,
-            max_connections_per_user=512,
-            max_open_files=1024,
-            max_http_connections=64,
-        )
+        plan_at(100)
 
 
 def test_many_resident_shards_read_through_the_socket_stay_under_a_low_limit(
