@@ -220,6 +220,15 @@ def _status(socket: str, as_json: bool) -> int:
         f"({format_size(local_bytes)} read from the files by local readers), "
         f"{status['streams']} streams"
     )
+    fds = status.get("descriptors")
+    if fds:
+        print(
+            f"fds       {fds['open']} open, limit {fds['soft_limit']} (hard "
+            f"{fds['hard_limit']}), {fds['reserve']} in reserve; {fds['connections']} "
+            f"connections (at most {fds['max_connections']}, {fds['max_connections_per_user']} "
+            f"a user), {fds['connections_refused']} shut; {fds['shard_files_open']} shard "
+            f"files open (at most {fds['max_open_files']})"
+        )
     tiers, pre = status["tiers"], status["prefetch"]
     print(
         "tiers     "

@@ -77,7 +77,17 @@ def for_viewer(status: dict[str, Any], user: str) -> dict[str, Any]:
     if sees_all(user):
         return status
     own = [{k: v for k, v in p.items() if k != "user"} for p in plans if p.get("user") == user]
-    return {**status, "plans": own}
+    return {**status, "plans": own, **_connections_of(status, user)}
+
+
+def _connections_of(status: dict[str, Any], user: str | None) -> dict[str, Any]:
+    """``status``'s descriptors with the connections by user cut to ``user``'s own (none
+    for None): which uids use the daemon, and how much, is not every user's business."""
+    fds = status.get("descriptors")
+    if not isinstance(fds, dict) or "connections_by_user" not in fds:
+        return {}
+    mine = {u: n for u, n in fds["connections_by_user"].items() if u == user}
+    return {"descriptors": {**fds, "connections_by_user": mine}}
 
 
 def anonymous(status: dict[str, Any]) -> dict[str, Any]:
@@ -87,4 +97,5 @@ def anonymous(status: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(plans, list):
         return status
     hidden = ("stream", "user")
-    return {**status, "plans": [{k: v for k, v in p.items() if k not in hidden} for p in plans]}
+    shown = [{k: v for k, v in p.items() if k not in hidden} for p in plans]
+    return {**status, "plans": shown, **_connections_of(status, None)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -48,6 +49,8 @@ def test_prefetch_status_and_http(served: tuple[ProcessDaemon, str]) -> None:
     text = cached("status", "--config", cfg).stdout
     assert "3 shards" in text and "3 misses" in text
     assert "warm 3 fetches" in text and "cold 0 fetches" in text and "0 plans" in text
+    assert re.search(r"fds +\d+ open, limit \d+ \(hard \d+\), \d+ in reserve", text), text
+    assert "connections (at most 2048, 512 a user)" in text, text
 
     http = status["http"]
     with urllib.request.urlopen(f"{http}/metrics") as r:
@@ -59,7 +62,11 @@ def test_prefetch_status_and_http(served: tuple[ProcessDaemon, str]) -> None:
     with urllib.request.urlopen(f"{http}/readyz") as r:
         assert json.load(r) == {"ready": True}
     with urllib.request.urlopen(f"{http}/status") as r:
-        assert json.load(r)["hot"]["shards"] == 3
+        anonymous = json.load(r)
+    assert anonymous["hot"]["shards"] == 3
+    # No user is known over HTTP: nobody's connections are listed by user there.
+    assert anonymous["descriptors"]["connections_by_user"] == {}
+    assert status["descriptors"]["connections_by_user"]  # root sees its own (and all)
 
     missing = cached(
         "prefetch", "--config", cfg, f"s3://{bucket}/p-0.tar", f"s3://{bucket}/gone.tar"

@@ -27,6 +27,7 @@ from cached_client.transport import Connection
 from cached.descriptors import Budget
 from cached.errors import ConfigError
 from tests.daemon import ProcessDaemon, dataset_shards, write_config
+from tests.hostile import as_other_user
 from tests.s3server import S3Server
 from tests.test_daemon import upload
 
@@ -186,6 +187,14 @@ def test_connections_past_a_users_cap_are_shut_and_other_users_connect(public: P
         assert seen["connections_by_user"]["uid 65534"] == 4, seen
         assert seen["connections_refused"] >= 8, seen
         assert "uid 65534 has 4 connections open" in d.log_tail()
+        # Another user's status shows its own connections, not who else is connected.
+        held = Connection(sock, connect_timeout_s=5.0)
+        held.open()
+        try:
+            theirs = as_other_user(sock, [{"op": "status"}])[0]["status"]["descriptors"]
+        finally:
+            held.close()
+        assert set(theirs["connections_by_user"]) <= {"uid 65534"}, theirs
         deadline = time.monotonic() + 5
         while "uid 65534" in by_user(sock) and time.monotonic() < deadline:
             time.sleep(0.1)
