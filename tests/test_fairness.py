@@ -1,12 +1,17 @@
 """Fairness and memory bounds on a shared node (docs/operations.md, "Fairness and bounds on a
 shared node"): what one connection or one user may hold, what goes when a connection
 closes, the largest request frame, and readiness that follows the request loop. Real
-daemons, real sockets, a real S3 server (moto)."""
+daemons, real sockets, a real S3 server (moto).
+
+A bound's test runs the hostile client as another local user (uid ``nobody``: a process
+under ``setpriv``, :class:`OtherUser`, or a forked child, tests/hostile.py) against a
+``cached serve`` process whose socket every local user may reach, and checks that a good
+client of another user (root, this test) is served while the hostile one is at its bound.
+"""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,12 +29,146 @@ from cached_client.protocol import PROTOCOL_VERSION, decode, encode
 from cached_client.transport import Connection
 
 from cached import server as server_module
-from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, thread_daemon, write_config
+from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, serve_config, thread_daemon
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server
 from tests.test_daemon import upload
+from tests.test_socket_access import NOBODY, needs_root
 
-USER = f"uid {os.getuid()}"
+HOSTILE = f"uid {NOBODY}"
+
+# Another local user's process, run as that user by OtherUser: connections of its own,
+# named by the test; each line on its stdin is a batch of [connection, request] pairs, all
+# sent at once, and their replies come back as one JSON line, in order (null: none within
+# 30 s). A connection named "deaf..." takes one reply at a time (RCVHWM 1). Ops of its own:
+# "_flood" sends up to n status requests without waiting and reads none (its reply: how
+# many ZeroMQ took), "_frame" sends one raw frame of n MiB (its reply: whether anything
+# came back within 1 s), "_disconnect" closes the connection. EOF ends it.
+OTHER_USER = """
+import json, os, sys, time, zmq
+from cached_client.protocol import decode, encode
+ctx, socks, n = zmq.Context(), {}, 0
+def sock_for(name):
+    if name not in socks:
+        sock = socks[name] = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if name.startswith("deaf"):
+            sock.setsockopt(zmq.RCVHWM, 1)
+        sock.connect(sys.argv[1])
+    return socks[name]
+print(json.dumps(os.getuid()), flush=True)
+for line in sys.stdin:
+    out, waiting = [], {}
+    for name, request in json.loads(line):
+        sock, op = sock_for(name), request["op"]
+        if op == "_flood":
+            sent = 0
+            try:
+                while sent < request["n"]:
+                    sock.send(encode({"op": "status", "id": -1 - sent}), zmq.NOBLOCK)
+                    sent += 1
+            except zmq.Again:
+                pass
+            out.append({"sent": sent})
+        elif op == "_frame":
+            sock.send(b"x" * (request["n"] << 20))
+            out.append({"answered": bool(sock.poll(1000))})
+        elif op == "_disconnect":
+            socks.pop(name).close(0)
+            out.append({})
+        else:
+            n += 1
+            sock.send(encode({**request, "id": n}))
+            waiting[n] = (sock, len(out))
+            out.append(None)
+    deadline = time.monotonic() + 30
+    while waiting and time.monotonic() < deadline:
+        for sock in {s for s, _ in waiting.values()}:
+            while sock.poll(10):
+                reply = decode(sock.recv_multipart()[0])
+                if reply.get("id") in waiting:
+                    out[waiting.pop(reply["id"])[1]] = reply
+    print(json.dumps(out), flush=True)
+"""
+
+
+class OtherUser:
+    """OTHER_USER as uid ``uid`` (``setpriv``) against the daemon at ``endpoint``: a
+    client of another local user that holds its connections, and what they hold, from one
+    batch to the next. ``with`` ends it (its connections close with it)."""
+
+    def __init__(self, endpoint: str, uid: int = NOBODY) -> None:
+        ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+        command = ["setpriv", *ids, sys.executable, "-c", OTHER_USER, endpoint]
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        assert json.loads(self.proc.stdout.readline()) == uid, "not running as the other user"
+
+    def send(self, *batch: tuple[str, dict[str, Any]]) -> None:
+        """Have it send ``batch``'s requests, each on its named connection, at once."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(batch) + "\n")
+        self.proc.stdin.flush()
+
+    def replies(self) -> list[Any]:
+        """The replies to the batch sent last, in its order."""
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"the other user's process ended ({self.proc.poll()})"
+        replies: list[Any] = json.loads(line)
+        return replies
+
+    def ask(self, *batch: tuple[str, dict[str, Any]]) -> list[Any]:
+        """:meth:`send` and :meth:`replies`."""
+        self.send(*batch)
+        return self.replies()
+
+    def close(self) -> None:
+        """End the process, and with it its connections."""
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> OtherUser:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def shared(directory: Path, endpoint_url: str, **sections: dict[str, Any]) -> tuple[Path, str]:
+    """A ``cached serve`` config in ``directory`` (one every user may search) whose socket
+    admits every local user (mode 0666); ``sections`` adds keys to any section."""
+    server = {"socket_mode": "0666", **sections.pop("server", {})}
+    return serve_config(directory, endpoint_url, sections={"server": server, **sections})
+
+
+def metric(http: str, sample: str) -> float:
+    """The value of ``sample`` (a name and its labels, as written) on the daemon's
+    /metrics at ``http``; 0 where it is not written (a counter never counted)."""
+    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as page:
+        for line in page.read().decode().splitlines():
+            if line.startswith(f"{sample} "):
+                return float(line.split()[-1])
+    return 0.0
+
+
+def refused(reply: dict[str, Any], code: str = "limit_exceeded") -> str:
+    """The message of ``reply``, a refusal with ``code``."""
+    assert reply is not None and reply["ok"] is False and reply["code"] == code, reply
+    message: str = reply["message"]
+    return message
+
+
+IN_FLIGHT = "cached_requests_in_flight"
+LIMIT_EXCEEDED = 'cached_requests_total{op="unknown",result="limit_exceeded"}'
 
 
 def until(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
@@ -70,165 +209,136 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+@needs_root
 def test_a_client_that_never_reads_holds_only_its_own_bound(
-    s3_server: S3Server, bucket: str, tmp_path: Path
+    s3_server: S3Server, bucket: str, public_dir: Path
 ) -> None:
-    """The issue's wedge: a client that sends requests and never reads the replies. It
-    holds at most [server] max_requests_per_client (its replies wait reply_timeout_s, then
-    go); a good client is answered during and after; when it disconnects, its lease, plan,
-    requests and waiting replies go, and the daemon is back to idle."""
+    """The issue's wedge: another user's client that sends requests and never reads the
+    replies. It holds at most [server] max_requests_per_client (its replies wait
+    reply_timeout_s, then go); root's client is answered during and after; when it
+    disconnects, its lease, plan, requests and waiting replies go, and the daemon is back
+    to idle."""
     urls = upload(s3_server, bucket, dataset_shards(2, 3))
     most = 16
-    cfg = daemon_config(
-        tmp_path,
+    config, socket = shared(
+        public_dir,
         s3_server.endpoint_url,
-        **{
-            "server.max_requests_per_client": most,
-            "server.reply_timeout_s": 1.0,
-            "prefetch.plan_grace_s": 0,
-        },
+        server={"max_requests_per_client": most, "reply_timeout_s": 1.0},
+        prefetch={"plan_grace_s": 0},
     )
-    with thread_daemon(cfg) as d:
-        server = d.daemon.server
+    with ProcessDaemon(config, socket) as daemon:
+        http = daemon.status()["http"]
         ctx: zmq.Context[Any] = zmq.Context()
-        deaf = raw_dealer(ctx, d.socket, RCVHWM=1)
-        good = Connection(d.socket)
+        good = raw_dealer(ctx, socket)  # no heartbeat: its requests are the hellos below
         try:
-            # It holds state first (a pin and a plan), then stops reading.
-            assert ask(deaf, {"op": "open", "id": 1, "url": urls[0], "stream": "deaf"})["ok"]
-            assert ask(deaf, {"op": "plan", "id": 2, "plan": "deaf", "urls": urls})["ok"]
-            assert d.call(lambda: server.leases.quota.total_held) == 1
-            sent = 0
-            for i in range(3000):  # ~3 KB replies: far past what the queues hold
-                try:
-                    deaf.send(encode({"op": "status", "id": 10 + i}), zmq.NOBLOCK)
-                    sent += 1
-                except zmq.Again:
-                    break
-            assert sent > 500
-
-            busiest: list[bytes] = []
-
-            def deaf_requests() -> int:
-                most, ident = d.call(
-                    lambda: max(
-                        ((p.requests, p.ident) for p in server.peers.by_ident.values()),
-                        default=(0, b""),
-                    )
+            with OtherUser(socket) as deaf:
+                # It holds state first (a pin and a plan), then stops reading.
+                opened, planned = deaf.ask(
+                    ("deaf", {"op": "open", "url": urls[0], "stream": "deaf"}),
+                    ("deaf", {"op": "plan", "plan": "deaf", "urls": urls}),
                 )
-                if most:
-                    busiest.append(ident)
-                return int(most)
-
-            # Its replies wait in its backlog.
-            assert until(lambda: d.call(lambda: server._queued) > 0)
-            held = []
-            for _ in range(20):  # the good client, while the deaf one is flooding
-                started = time.monotonic()
-                good.request({"op": "hello", "v": PROTOCOL_VERSION})
-                assert time.monotonic() - started < 1.0
-                held.append(deaf_requests())
-                time.sleep(0.05)
-            assert 0 < max(held) <= most
-            # The deaf one: the peer that held requests (the good one's are answered).
-            assert len(set(busiest)) == 1, busiest
-            deaf_ident = busiest[0]
-            # Its replies are dropped after reply_timeout_s; it keeps its state meanwhile.
+                assert opened["ok"] and planned["ok"], (opened, planned)
+                assert daemon.status()["hot"]["pinned_shards"] == 1
+                # ~3 KB replies: far past what the queues hold.
+                (flood,) = deaf.ask(("deaf", {"op": "_flood", "n": 3000}))
+                assert flood["sent"] > 500, flood
+                # Its replies wait in its backlog: requests in flight, all of them its.
+                assert until(lambda: metric(http, IN_FLIGHT) > 0)
+                held = []
+                for i in range(20):  # root's client, while the deaf one is flooding
+                    started = time.monotonic()
+                    assert ask(good, {"op": "hello", "id": i, "v": PROTOCOL_VERSION})["ok"]
+                    assert time.monotonic() - started < 1.0
+                    held.append(metric(http, IN_FLIGHT))
+                    time.sleep(0.05)
+                assert 0 < max(held) <= most, held
+                assert metric(http, LIMIT_EXCEEDED) > 0  # the rest were refused
+                # Its replies are dropped after reply_timeout_s; it keeps its state meanwhile.
+                timeout = 'cached_requests_total{op="unknown",result="reply_timeout"}'
+                assert until(lambda: metric(http, timeout) > 0)
+                status = daemon.status()
+                assert status["hot"]["pinned_shards"] == 1
+                assert [(p["stream"], p["user"]) for p in status["plans"]] == [("deaf", HOSTILE)]
+                assert status["descriptors"]["connections_by_user"][HOSTILE] == 1
+            # Gone: everything it held goes with it, within moments, not lease_timeout_s.
+            assert until(lambda: daemon.status()["hot"]["pinned_shards"] == 0, 5)
+            assert until(lambda: daemon.status()["plans"] == [], 5)
             assert until(
-                lambda: (
-                    d.daemon.metrics.requests.labels("unknown", "reply_timeout")._value.get() > 0
-                )
+                lambda: HOSTILE not in daemon.status()["descriptors"]["connections_by_user"], 5
             )
-            assert d.call(lambda: server.leases.quota.total_held) == 1
+            assert until(lambda: metric(http, IN_FLIGHT) == 0, 5)
+            # And root's connection is still answered after.
+            assert ask(good, {"op": "hello", "id": 99, "v": PROTOCOL_VERSION})["ok"]
         finally:
-            deaf.close(0)
+            good.close(0)
             ctx.term()
-        # Gone: everything it held goes with it, within moments, not lease_timeout_s.
-        assert until(lambda: d.call(lambda: server.leases.quota.total_held) == 0, 5)
-        assert until(lambda: d.call(lambda: d.daemon.status()["plans"]) == [], 5)
-        assert until(lambda: d.call(lambda: deaf_ident not in server.peers.by_ident), 5)
-        # Left: the good connection, and its heartbeat's socket once that has beaten.
-        assert d.call(lambda: len(server.peers)) <= 2
-        assert d.call(lambda: (len(server._tasks), server._queued, len(server._flushers))) == (
-            0,
-            0,
-            0,
-        )
-        assert d.call(lambda: d.daemon.status()["hot"]["pinned_shards"]) == 0
-        good.request({"op": "hello", "v": PROTOCOL_VERSION})  # and still answered after
-        good.close()
 
 
+@needs_root
 def test_requests_past_the_bound_are_refused_with_limit_exceeded(
-    s3_server: S3Server, bucket: str, tmp_path: Path, proxy: FaultProxy
+    s3_server: S3Server, bucket: str, proxy: FaultProxy, public_dir: Path
 ) -> None:
-    """A client over its bound whose queue takes the answer gets ``limit_exceeded`` naming
-    the key (LimitExceeded in the client library); another client is answered."""
+    """Another user's client over its bound whose queue takes the answer gets
+    ``limit_exceeded`` naming the key (LimitExceeded in the client library); root's client
+    is answered while the other's requests hold all of its slots."""
     urls = upload(s3_server, bucket, dataset_shards(4, 3))
     most = 4
-    cfg = daemon_config(tmp_path, proxy.endpoint_url, **{"server.max_requests_per_client": most})
-    with thread_daemon(cfg) as d:
+    config, socket = shared(
+        public_dir, proxy.endpoint_url, server={"max_requests_per_client": most}
+    )
+    with ProcessDaemon(config, socket) as daemon, OtherUser(socket) as other:
+        http = daemon.status()["http"]
         proxy.inject("delay", times=100, method=None, delay_s=3.0)
-        ctx: zmq.Context[Any] = zmq.Context()
-        sock = raw_dealer(ctx, d.socket)
-        try:
-            for i, url in enumerate(urls):  # in flight: downloads from a slow store
-                sock.send(encode({"op": "open", "id": i, "url": url, "stream": "s"}))
-            assert until(lambda: d.call(lambda: len(d.daemon.server._tasks)) == most)
-            reply = ask(sock, {"op": "hello", "id": 99, "v": PROTOCOL_VERSION})
-            assert reply["code"] == "limit_exceeded"
-            assert "[server] max_requests_per_client = 4" in reply["message"]
-            other = Connection(d.socket)
-            other.request({"op": "hello", "v": PROTOCOL_VERSION})
-            other.close()
-            proxy.clear()
-        finally:
-            sock.close(0)
-            ctx.term()
+        # In flight: downloads from a slow store; then one more.
+        opens = [("c", {"op": "open", "url": url, "stream": "s"}) for url in urls]
+        other.send(*opens, ("c", {"op": "hello", "v": PROTOCOL_VERSION}))
+        assert until(lambda: metric(http, LIMIT_EXCEEDED) == 1)
+        assert metric(http, IN_FLIGHT) == most
+        good = Connection(socket)
+        started = time.monotonic()
+        good.request({"op": "hello", "v": PROTOCOL_VERSION})
+        assert time.monotonic() - started < 1.0
+        assert metric(http, IN_FLIGHT) == most  # the other's opens were still under way
+        good.close()
+        proxy.clear()
+        *opened, hello = other.replies()
+    assert all(r["ok"] for r in opened), opened
+    assert "[server] max_requests_per_client = 4" in refused(hello)
     # The client library maps the code to a CachedClientError subclass.
     assert isinstance(remote_error("limit_exceeded", "x"), LimitExceeded)
 
 
+@needs_root
 def test_an_oversized_request_frame_drops_its_connection_not_memory(
-    s3_server: S3Server, tmp_path: Path
+    s3_server: S3Server, public_dir: Path
 ) -> None:
-    """[server] max_request_bytes is enforced by ZeroMQ as the frame's size arrives: the
-    connection is dropped, the daemon's memory does not grow by the frames, and the
-    client's next connection is served. The client library refuses to send one."""
-    config = write_config(
-        tmp_path / "config.toml",
-        {
-            "server": {
-                "socket": f"ipc://{tmp_path}/cached.sock",
-                "http": "127.0.0.1:0",
-                "max_request_bytes": "1MiB",
-            },
-            "cache": {"dir": str(tmp_path / "hot"), "capacity": "1GiB", "min_free": "0"},
-            "s3": {"endpoint_url": s3_server.endpoint_url},
-        },
+    """[server] max_request_bytes is enforced by ZeroMQ as the frame's size arrives:
+    another user's connection that sends one is dropped, the daemon's memory does not grow
+    by the frames, that user's next connection is served, and so is root's connection
+    throughout. The client library refuses to send one."""
+    config, socket = shared(
+        public_dir, s3_server.endpoint_url, server={"max_request_bytes": "1MiB"}
     )
-    socket = f"ipc://{tmp_path}/cached.sock"
     with ProcessDaemon(config, socket) as daemon:
         assert daemon.proc is not None
         pid = daemon.proc.pid
         ctx: zmq.Context[Any] = zmq.Context()
+        good = raw_dealer(ctx, socket)  # root's, open before and after the frames
         try:
+            assert ask(good, {"op": "hello", "id": 1, "v": PROTOCOL_VERSION})["ok"]
             before = rss_bytes(pid)
-            big = b"x" * (128 << 20)
-            for _ in range(3):
-                sock = raw_dealer(ctx, socket)
-                sock.send(big)
-                # Dropped, not answered (the header never arrives whole).
-                assert not sock.poll(1000)
-                sock.close(0)
-            del big
-            grown = rss_bytes(pid) - before
-            assert grown < 32 << 20, f"the daemon grew by {grown} bytes"
-            # The next connection, from the same process, is served.
-            sock = raw_dealer(ctx, socket)
-            assert ask(sock, {"op": "hello", "id": 1, "v": PROTOCOL_VERSION})["ok"]
-            sock.close(0)
+            with OtherUser(socket) as other:
+                # Dropped, not answered (the header never arrives whole), three times.
+                frames = other.ask(*[(f"big{i}", {"op": "_frame", "n": 128}) for i in range(3)])
+                assert frames == [{"answered": False}] * 3, frames
+                grown = rss_bytes(pid) - before
+                assert grown < 32 << 20, f"the daemon grew by {grown} bytes"
+                # Its next connection is served, and root's connection was never dropped.
+                (hello,) = other.ask(("next", {"op": "hello", "v": PROTOCOL_VERSION}))
+                assert hello["ok"], hello
+            assert ask(good, {"op": "hello", "id": 2, "v": PROTOCOL_VERSION})["ok"]
         finally:
+            good.close(0)
             ctx.term()
         conn = Connection(socket)
         urls = [f"s3://bucket/{'x' * 80}-{i:06d}.tar" for i in range(20_000)]  # ~1.9 MB
@@ -238,81 +348,107 @@ def test_an_oversized_request_frame_drops_its_connection_not_memory(
         conn.close()
 
 
+@needs_root
 def test_plans_and_pins_are_capped_per_user_across_connections(
-    s3_server: S3Server, bucket: str, tmp_path: Path
+    s3_server: S3Server, bucket: str, public_dir: Path
 ) -> None:
     """Caps per connection are no bound for a user with many connections: plans, leases
-    and pinned bytes are capped per local user (uid, from the ipc connection) too."""
+    and pinned bytes are capped per local user (uid, from the ipc connection) too. Another
+    user at each cap across three connections is refused, naming it; root, a user of its
+    own, plans and pins meanwhile."""
     shards = dataset_shards(4, 3)
     urls = upload(s3_server, bucket, shards)
     size = len(shards[0])
-    cfg = daemon_config(
-        tmp_path,
+    server = {
+        "max_plans_per_client": 2,
+        "max_plans_per_user": 3,
+        "max_plan_urls_per_user": 10,
+        "max_leases_per_client": 2,
+        "max_leases_per_user": 3,
+        "max_pinned_share_per_user": 0.25,
+    }
+    config, socket = shared(
+        public_dir,
         s3_server.endpoint_url,
-        **{
-            "prefetch.plan_grace_s": 0,
-            "server.max_plans_per_client": 2,
-            "server.max_plans_per_user": 3,
-            "server.max_plan_urls_per_user": 10,
-            "server.max_leases_per_client": 2,
-            "server.max_leases_per_user": 3,
-            # 2.5 shards of the tier's capacity: a user pins 2, not 3.
-            "cache.capacity": str(size * 10),
-            "server.max_pinned_share_per_user": 0.25,
-            "prefetch.lookahead": "0",
-        },
+        server=server,
+        prefetch={"plan_grace_s": 0, "lookahead": "0"},
+        # 2.5 shards of the tier's capacity: a user pins 2, not 3.
+        cache={"capacity": str(size * 10)},
     )
-    with thread_daemon(cfg) as d:
-        a, b, c = Connection(d.socket), Connection(d.socket), Connection(d.socket)
-        a.request({"op": "plan", "plan": "a0", "urls": urls[:1]})
-        a.request({"op": "plan", "plan": "a1", "urls": urls[:1]})
-        b.request({"op": "plan", "plan": "b0", "urls": urls[:1]})
-        with pytest.raises(LimitExceeded) as refused:
-            c.request({"op": "plan", "plan": "c0", "urls": urls[:1]})
-        assert f"{USER} holds 3 plans across its connections" in str(refused.value)
-        assert "[server] max_plans_per_user = 3" in str(refused.value)
-        # URLs: a replacement that would take the user past its URLs is refused too.
-        with pytest.raises(LimitExceeded, match=r"max_plan_urls_per_user = 10"):
-            b.request({"op": "plan", "plan": "b0", "urls": urls * 3})
-        b.request({"op": "plan", "plan": "b0", "urls": urls * 2})  # 8 + 2 URLs: room
 
-        # Pinned bytes: two shards pinned by two connections, the third refused.
-        a.request({"op": "open", "url": urls[0], "stream": "a"})
-        b.request({"op": "open", "url": urls[1], "stream": "b"})
-        with pytest.raises(LimitExceeded) as refused:
-            c.request({"op": "open", "url": urls[2], "stream": "c"})
-        assert "of pinned shards across its connections" in str(refused.value)
-        assert "[server] max_pinned_share_per_user = 0.25" in str(refused.value)
-        assert d.call(lambda: d.daemon.status()["hot"]["pinned_shards"]) == 2
-        b.request({"op": "close", "url": urls[1], "stream": "b"})
-        c.request({"op": "open", "url": urls[2], "stream": "c"})  # room again
-        for conn in (a, b, c):
-            conn.close()
-        # Closed: what they held goes with them.
-        assert until(lambda: d.call(lambda: d.daemon.status()["plans"]) == [], 5)
-        assert until(lambda: d.call(lambda: d.daemon.status()["hot"]["pinned_shards"]) == 0, 5)
+    def plan(conn: str, key: str, planned: list[str]) -> tuple[str, dict[str, Any]]:
+        return conn, {"op": "plan", "plan": key, "urls": planned}
+
+    def pin(conn: str, url: str) -> tuple[str, dict[str, Any]]:
+        return conn, {"op": "open", "url": url, "stream": conn}
+
+    with ProcessDaemon(config, socket) as daemon:
+        with OtherUser(socket) as other:
+            # One request at a time: the daemon takes each connection's in its own order.
+            def one(request: tuple[str, dict[str, Any]]) -> Any:
+                return other.ask(request)[0]
+
+            for conn, key in (("a", "a0"), ("a", "a1"), ("b", "b0")):
+                assert one(plan(conn, key, urls[:1]))["ok"]
+            message = refused(one(plan("c", "c0", urls[:1])))
+            assert f"{HOSTILE} holds 3 plans across its connections" in message, message
+            assert "[server] max_plans_per_user = 3" in message, message
+            # URLs: a replacement that would take the user past its URLs is refused too.
+            assert "[server] max_plan_urls_per_user = 10" in refused(one(plan("b", "b0", urls * 3)))
+            assert one(plan("b", "b0", urls * 2))["ok"]  # 8 + 2 URLs: room
+
+            # Pinned bytes: two shards pinned by two connections, the third refused.
+            assert one(pin("a", urls[0]))["ok"] and one(pin("b", urls[1]))["ok"]
+            message = refused(one(pin("c", urls[2])))
+            assert "of pinned shards across its connections" in message, message
+            assert "[server] max_pinned_share_per_user = 0.25" in message, message
+            status = daemon.status()
+            assert status["hot"]["pinned_shards"] == 2
+            assert sorted(p["stream"] for p in status["plans"]) == ["a0", "a1", "b0"]
+
+            # Root, meanwhile, a user of its own: its plans and pins are its own.
+            good = Connection(socket)
+            good.request({"op": "plan", "plan": "r0", "urls": urls * 2})
+            good.request({"op": "plan", "plan": "r1", "urls": urls[:2]})  # its 10 URLs
+            good.request({"op": "open", "url": urls[2], "stream": "r"})  # the one refused
+            assert daemon.status()["hot"]["pinned_shards"] == 3
+            good.close()
+            assert until(lambda: daemon.status()["hot"]["pinned_shards"] == 2, 5)
+
+            assert one(("b", {"op": "close", "url": urls[1], "stream": "b"}))["ok"]
+            assert one(pin("c", urls[2]))["ok"]  # room again
+        # Its process ended: what its connections held goes with them.
+        assert until(lambda: daemon.status()["plans"] == [], 5)
+        assert until(lambda: daemon.status()["hot"]["pinned_shards"] == 0, 5)
 
 
+@needs_root
 def test_leases_are_capped_per_user_across_connections(
-    s3_server: S3Server, bucket: str, tmp_path: Path
+    s3_server: S3Server, bucket: str, public_dir: Path
 ) -> None:
+    """Another user's leases on two connections reach ``max_leases_per_user`` and its
+    next open is refused, naming the key, while root opens the same shard; once one of
+    its connections closes, the open is taken."""
     urls = upload(s3_server, bucket, dataset_shards(4, 3))
-    cfg = daemon_config(
-        tmp_path,
+    config, socket = shared(
+        public_dir,
         s3_server.endpoint_url,
-        **{"server.max_leases_per_client": 2, "server.max_leases_per_user": 3},
+        server={"max_leases_per_client": 2, "max_leases_per_user": 3},
     )
-    with thread_daemon(cfg) as d:
-        a, b = Connection(d.socket), Connection(d.socket)
-        a.request({"op": "open", "url": urls[0], "stream": "a"})
-        a.request({"op": "open", "url": urls[1], "stream": "a"})
-        b.request({"op": "open", "url": urls[2], "stream": "b"})
-        with pytest.raises(LimitExceeded, match=r"\[server\] max_leases_per_user = 3"):
-            b.request({"op": "open", "url": urls[3], "stream": "b"})
-        a.close()
-        assert until(lambda: d.call(lambda: d.daemon.status()["hot"]["pinned_shards"]) == 1, 5)
-        b.request({"op": "open", "url": urls[3], "stream": "b"})
-        b.close()
+    with ProcessDaemon(config, socket) as daemon, OtherUser(socket) as other:
+
+        def pin(conn: str, url: str) -> Any:
+            return other.ask((conn, {"op": "open", "url": url, "stream": conn}))[0]
+
+        assert pin("a", urls[0])["ok"] and pin("a", urls[1])["ok"] and pin("b", urls[2])["ok"]
+        assert "[server] max_leases_per_user = 3" in refused(pin("b", urls[3]))
+        good = Connection(socket)
+        good.request({"op": "open", "url": urls[3], "stream": "r"})  # root's own leases
+        good.request({"op": "close", "url": urls[3], "stream": "r"})
+        good.close()
+        assert other.ask(("a", {"op": "_disconnect"})) == [{}]
+        assert until(lambda: daemon.status()["hot"]["pinned_shards"] == 1, 5)
+        assert pin("b", urls[3])["ok"]
 
 
 CLIENT = """
@@ -439,22 +575,26 @@ print(i, flush=True)
 """
 
 
+@needs_root
 def test_a_flood_of_requests_leaves_the_daemon_answering_others(
-    s3_server: S3Server, tmp_path: Path
+    s3_server: S3Server, public_dir: Path
 ) -> None:
-    """A client (another process) that sends requests as fast as it can and reads none:
-    past its bound each is refused at once, and the request loop still lets the event
-    loop turn, so another client and ``/healthz`` are answered within moments throughout."""
-    cfg = daemon_config(tmp_path, s3_server.endpoint_url)
-    with thread_daemon(cfg) as d:
-        http = d.call(lambda: d.daemon.status()["http"])
+    """Another user's process that sends requests as fast as it can and reads none: past
+    its bound each is refused at once, and the request loop still lets the event loop
+    turn, so root's client and ``/healthz`` are answered within moments throughout."""
+    config, socket = shared(public_dir, s3_server.endpoint_url)
+    with ProcessDaemon(config, socket) as daemon:
+        http = daemon.status()["http"]
+        as_nobody = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
         flood = subprocess.Popen(
-            [sys.executable, "-c", FLOOD, d.socket, "6"], stdout=subprocess.PIPE, text=True
+            [*as_nobody, sys.executable, "-c", FLOOD, socket, "6"],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         try:
             assert flood.stdout is not None
             assert flood.stdout.readline().strip() == "ready"
-            good = Connection(d.socket)
+            good = Connection(socket)
             worst = 0.0
             end = time.monotonic() + 4
             while time.monotonic() < end:
@@ -464,6 +604,7 @@ def test_a_flood_of_requests_leaves_the_daemon_answering_others(
                     assert r.status == 200
                 worst = max(worst, time.monotonic() - started)
                 time.sleep(0.1)
+            users = daemon.status()["descriptors"]["connections_by_user"]  # still flooding
             good.close()
             sent = int(flood.stdout.readline())
         finally:
@@ -471,45 +612,44 @@ def test_a_flood_of_requests_leaves_the_daemon_answering_others(
             flood.wait()
             if flood.stdout is not None:
                 flood.stdout.close()
-        refused = d.call(d.daemon.metrics.requests.labels("unknown", "limit_exceeded")._value.get)
-    assert sent > 10_000 and refused > 0
+        limited = metric(http, LIMIT_EXCEEDED)
     assert worst < 2.0, f"a hello and a /healthz took {worst:.2f} s under the flood"
+    assert sent > 10_000 and limited > 0, (sent, limited)
+    assert users.get(HOSTILE) == 1, users  # the flood came from the other user
 
 
+@needs_root
 def test_large_requests_are_taken_one_at_a_time_per_client(
-    s3_server: S3Server, bucket: str, tmp_path: Path, proxy: FaultProxy
+    s3_server: S3Server, bucket: str, proxy: FaultProxy, public_dir: Path
 ) -> None:
-    """Each frame under [server] max_request_bytes, but two at once: while a client's
-    first large request is being handled (an open, waiting 2 s for a slow store), its
-    second would make the two pass the bound together and gets ``limit_exceeded`` at
+    """Each frame under [server] max_request_bytes, but two at once: while another user's
+    client's first large request is being handled (an open, waiting 2 s for a slow store),
+    its second would make the two pass the bound together and gets ``limit_exceeded`` at
     once, so one client cannot make the daemon hold many large frames, and the JSON
-    decoded from them, at once. A small one fits beside it; another client is answered
-    meanwhile; once the first is answered, the next large one is taken."""
+    decoded from them, at once. A small one fits beside it; root's large request is taken
+    meanwhile; once the first is answered, the client's next large one is taken."""
     (url,) = upload(s3_server, bucket, dataset_shards(1, 3))
     limit = 8 << 20
-    cfg = daemon_config(tmp_path, proxy.endpoint_url, **{"server.max_request_bytes": limit})
-    with thread_daemon(cfg) as d:
+    config, socket = shared(public_dir, proxy.endpoint_url, server={"max_request_bytes": limit})
+    pad = "x" * (6 << 20)  # a valid request of 6 MiB, its id last (as the client's)
+    with ProcessDaemon(config, socket) as daemon, OtherUser(socket) as other:
+        http = daemon.status()["http"]
         proxy.inject("delay", times=100, method=None, delay_s=2.0)
+        large = {"op": "open", "url": url, "stream": "s", "pad": pad}
+        other.send(("c", large), ("c", large), ("c", {"op": "hello", "v": PROTOCOL_VERSION}))
+        assert until(lambda: metric(http, LIMIT_EXCEEDED) == 1)
         ctx: zmq.Context[Any] = zmq.Context()
-        sock = raw_dealer(ctx, d.socket)
+        good = raw_dealer(ctx, socket)
         try:
-            pad = "x" * (6 << 20)  # a valid request of 6 MiB, its id last (as the client's)
-            for i in range(2):
-                sock.send(encode({"op": "open", "url": url, "stream": "s", "pad": pad, "id": i}))
-            sock.send(encode({"op": "hello", "v": PROTOCOL_VERSION, "id": 2}))
-            other = Connection(d.socket)
-            other.request({"op": "hello", "v": PROTOCOL_VERSION})
-            other.close()
-            replies: dict[int, Any] = {}
-            while len(replies) < 3 and sock.poll(15_000):
-                reply = decode(sock.recv_multipart()[0])
-                replies[reply["id"]] = reply
-            proxy.clear()
-            last = ask(sock, {"op": "status", "pad": pad, "id": 3})
+            # Root's, while the other's first large request is held (the store takes 2 s).
+            assert ask(good, {"op": "status", "pad": pad, "id": 1})["ok"]
         finally:
-            sock.close(0)
+            good.close(0)
             ctx.term()
-    codes = {i: "ok" if r.get("ok") else r["code"] for i, r in replies.items()}
-    assert codes == {0: "ok", 1: "limit_exceeded", 2: "ok"}
+        replies = other.replies()
+        proxy.clear()
+        (last,) = other.ask(("c", {"op": "status", "pad": pad}))
+    codes = ["ok" if r.get("ok") else r["code"] for r in replies]
+    assert codes == ["ok", "limit_exceeded", "ok"], replies
     assert f"[server] max_request_bytes = {limit}" in replies[1]["message"]
     assert last.get("ok"), last

@@ -1,5 +1,6 @@
 """Robustness inside the daemon: one bad URL does not stop prefetch for the node; state that
-clients name is capped; shutdown drains. Real daemon, real S3 (moto), real sockets."""
+clients name is capped (another local user's client against ``cached serve``, root's served
+beside it); shutdown drains. Real daemon, real S3 (moto), real sockets."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
-from cached_client.errors import RemoteError
 from cached_client.protocol import decode, encode
 from cached_client.transport import Connection
 
@@ -23,6 +24,8 @@ from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, serve_con
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server
 from tests.test_daemon import upload
+from tests.test_fairness import HOSTILE, OtherUser, refused, shared, until
+from tests.test_socket_access import needs_root
 
 
 def test_one_missing_url_in_a_plan_does_not_stop_prefetch(
@@ -65,60 +68,71 @@ def test_one_missing_url_in_a_plan_does_not_stop_prefetch(
     assert status["prefetch"]["prefetches"] >= 4
 
 
+@needs_root
 def test_plans_per_client_are_capped_and_lapse(
-    s3_server: S3Server, bucket: str, tmp_path: Path
+    s3_server: S3Server, bucket: str, public_dir: Path
 ) -> None:
+    """Another user's greedy client is held to ``max_plans_per_client`` (a replacement
+    counts once), refused past it naming the key, while that user's other connection and
+    root each plan under caps of their own; the greedy client's plans lapse once it goes
+    quiet, and then it may plan again."""
     urls = upload(s3_server, bucket, dataset_shards(2, 3))
-    cfg = daemon_config(
-        tmp_path,
+    config, socket = shared(
+        public_dir,
         s3_server.endpoint_url,
-        **{
-            "server.max_plans_per_client": 3,
-            "prefetch.plan_timeout_s": 1.0,
-            "prefetch.lookahead": "0",
-        },
+        server={"max_plans_per_client": 3},
+        prefetch={"plan_timeout_s": 1.0, "lookahead": "0"},
     )
-    with thread_daemon(cfg) as d:
-        greedy, other = Connection(d.socket), Connection(d.socket)
+    with ProcessDaemon(config, socket) as daemon, OtherUser(socket) as other:
+
+        def plan(conn: str, key: str, planned: list[str] = urls) -> Any:
+            return other.ask((conn, {"op": "plan", "plan": key, "urls": planned, "job": "j"}))[0]
+
         for i in range(3):
-            greedy.request({"op": "plan", "plan": f"p{i}", "urls": urls, "job": "j"})
-        greedy.request({"op": "plan", "plan": "p0", "urls": urls[:1], "job": "j"})  # a replacement
-        with pytest.raises(RemoteError) as refused:
-            greedy.request({"op": "plan", "plan": "p3", "urls": urls, "job": "j"})
-        assert refused.value.code == "limit_exceeded"
-        assert "this client holds 3 plans" in str(refused.value)
-        assert "[server] max_plans_per_client = 3" in str(refused.value)
-        other.request({"op": "plan", "plan": "q0", "urls": urls, "job": "k"})  # its own cap
-        assert len(d.call(d.daemon.status)["plans"]) == 4
-        # The greedy client's plans lapse (it went quiet); then it may plan again.
-        deadline = time.monotonic() + 10
-        while d.call(d.daemon.status)["plans"] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        greedy.request({"op": "plan", "plan": "p3", "urls": urls, "job": "j"})
-        greedy.close()
-        other.close()
+            assert plan("greedy", f"p{i}")["ok"]
+        assert plan("greedy", "p0", urls[:1])["ok"]  # a replacement
+        message = refused(plan("greedy", "p3"))
+        assert "this client holds 3 plans" in message, message
+        assert "[server] max_plans_per_client = 3" in message, message
+        assert plan("other", "q0")["ok"]  # its other connection: a cap of its own
+        good = Connection(socket)
+        good.request({"op": "plan", "plan": "r0", "urls": urls, "job": "k"})  # root's own
+        # Root's own plan may be shown without its user.
+        users = sorted(p.get("user", "uid 0") for p in daemon.status()["plans"])
+        assert users == ["uid 0", *[HOSTILE] * 4], users
+        # The plans lapse (their clients went quiet); then the greedy one may plan again.
+        assert until(lambda: daemon.status()["plans"] == [], 10)
+        assert plan("greedy", "p3")["ok"]
+        good.close()
 
 
+@needs_root
 def test_pinned_shards_per_client_are_capped(
-    s3_server: S3Server, bucket: str, tmp_path: Path
+    s3_server: S3Server, bucket: str, public_dir: Path
 ) -> None:
+    """Another user's client is held to ``max_leases_per_client`` pins, refused past it,
+    while root pins the shard refused; a pin given back makes room, and an unpinned open
+    (an open ahead) holds nothing and is never refused."""
     urls = upload(s3_server, bucket, dataset_shards(3, 3))
-    cfg = daemon_config(tmp_path, s3_server.endpoint_url, **{"server.max_leases_per_client": 2})
-    with thread_daemon(cfg) as d:
-        conn = Connection(d.socket)
-        for url in urls[:2]:
-            conn.request({"op": "open", "url": url, "stream": "s"})
-        with pytest.raises(RemoteError) as refused:
-            conn.request({"op": "open", "url": urls[2], "stream": "s"})
-        assert refused.value.code == "limit_exceeded"
-        assert "2 pinned shards" in str(refused.value)
-        assert d.call(d.daemon.status)["hot"]["pinned_shards"] == 2
-        conn.request({"op": "close", "url": urls[0], "stream": "s"})
-        conn.request({"op": "open", "url": urls[2], "stream": "s"})  # room again
+    config, socket = shared(public_dir, s3_server.endpoint_url, server={"max_leases_per_client": 2})
+    with ProcessDaemon(config, socket) as daemon, OtherUser(socket) as other:
+
+        def open_(url: str, **fields: Any) -> Any:
+            return other.ask(("c", {"op": "open", "url": url, "stream": "s", **fields}))[0]
+
+        assert open_(urls[0])["ok"] and open_(urls[1])["ok"]
+        assert "2 pinned shards" in refused(open_(urls[2]))
+        assert daemon.status()["hot"]["pinned_shards"] == 2
+        good = Connection(socket)
+        good.request({"op": "open", "url": urls[2], "stream": "r"})  # root's own pins
+        assert daemon.status()["hot"]["pinned_shards"] == 3
+        good.request({"op": "close", "url": urls[2], "stream": "r"})
+        good.close()
+        assert other.ask(("c", {"op": "close", "url": urls[0], "stream": "s"}))[0]["ok"]
+        assert open_(urls[2])["ok"]  # room again
         # An unpinned open (an open ahead) holds nothing and is never refused.
-        conn.request({"op": "open", "url": urls[0], "stream": "s", "pin": False})
-        assert d.call(d.daemon.status)["hot"]["pinned_shards"] == 2
-        conn.close()
+        assert open_(urls[0], pin=False)["ok"]
+        assert daemon.status()["hot"]["pinned_shards"] == 2
 
 
 def test_shutdown_drains_answers_and_leaves_no_partial_file(
