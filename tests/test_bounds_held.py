@@ -34,9 +34,9 @@ from tests.daemon import (
     serve_config,
     thread_daemon,
 )
+from tests.hostile import ask, raw_dealer, until
 from tests.s3server import S3Server
 from tests.test_daemon import upload
-from tests.test_fairness import ask, raw_dealer, until
 from tests.test_local_reads import expected
 from tests.test_socket_access import NOBODY, needs_root
 

@@ -22,10 +22,9 @@ from cached_client.protocol import PROTOCOL_VERSION
 
 from tests.daemon import ProcessDaemon, dataset_shards, serve_config
 from tests.faultproxy import FaultProxy
-from tests.hostile import as_other_user
+from tests.hostile import as_other_user, ask, raw_dealer, until
 from tests.s3server import S3Server
 from tests.test_daemon import upload
-from tests.test_fairness import ask, raw_dealer, until
 from tests.test_socket_access import needs_root
 
 # The reader's plan key and stream: names that follow from its job, so anyone may know them.

@@ -22,9 +22,9 @@ from cached.policy import LRUPolicy
 from cached.tiers.hot import HotTier
 from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, serve_config, thread_daemon
 from tests.faultproxy import FaultProxy
+from tests.hostile import HOSTILE, OtherUser, refused, shared, until
 from tests.s3server import S3Server
 from tests.test_daemon import upload
-from tests.test_fairness import HOSTILE, OtherUser, refused, shared, until
 from tests.test_socket_access import needs_root
 
 
