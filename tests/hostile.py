@@ -8,6 +8,7 @@ connections open between batches of requests; and the small helpers the bound te
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -24,6 +25,25 @@ from cached_client.protocol import decode, encode
 
 from tests.daemon import serve_config
 from tests.test_socket_access import NOBODY
+
+
+def readable(stream: Any, timeout_s: float) -> bool:
+    """Whether ``stream`` (a file or a descriptor) has something to read within
+    ``timeout_s``. poll, not select: select refuses a descriptor numbered 1024 or more,
+    which a long test session reaches."""
+    poller = select.poll()
+    poller.register(stream, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
+
+
+def close_inherited(*keep: int) -> None:
+    """In a forked child: close every descriptor the test process had but 0-2 and
+    ``keep``, so that a descriptor limit the child sets counts only its own."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            with contextlib.suppress(OSError):  # the listing's own descriptor, gone already
+                os.close(fd)
 
 
 def as_other_user(
@@ -53,13 +73,14 @@ def as_other_user(
         except BaseException as exc:
             out["error"] = repr(exc)
         finally:
-            with os.fdopen(write, "wb") as pipe:
-                pipe.write(json.dumps(out).encode())
-            os._exit(0)
+            try:  # a parent that gave up has closed the pipe: exit all the same
+                with os.fdopen(write, "wb") as pipe:
+                    pipe.write(json.dumps(out).encode())
+            finally:
+                os._exit(0)
     os.close(write)
     with os.fdopen(read, "rb") as pipe:
-        ready, _, _ = select.select([pipe], [], [], timeout_s + deaf_s + 10)
-        assert ready, "no word from the other user's process"
+        assert readable(pipe, timeout_s + deaf_s + 10), "no word from the other user's process"
         data = pipe.read()
     os.waitpid(pid, 0)
     result: dict[str, Any] = json.loads(data)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import select
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from tests.daemon import (
     serve_config,
     thread_daemon,
 )
-from tests.hostile import ask, raw_dealer, until
+from tests.hostile import ask, raw_dealer, readable, until
 from tests.s3server import S3Server
 from tests.test_daemon import upload
 from tests.test_local_reads import expected
@@ -82,8 +81,10 @@ class Impostor:
             except BaseException as exc:
                 result["error"] = repr(exc)
             finally:
-                os.write(out_w, json.dumps(result).encode() + b"\n")
-                os._exit(0)
+                try:  # a parent that gave up has closed the pipe: exit all the same
+                    os.write(out_w, json.dumps(result).encode() + b"\n")
+                finally:
+                    os._exit(0)
         os.close(out_w)
         os.close(stop_r)
         self._pid, self._stop_w = pid, stop_w
@@ -93,8 +94,7 @@ class Impostor:
         return self
 
     def _line(self) -> bytes:
-        ready, _, _ = select.select([self._out], [], [], 20)
-        assert ready, "no word from the child"
+        assert readable(self._out, 20), "no word from the child"
         line: bytes = self._out.readline()
         return line
 
@@ -113,7 +113,7 @@ class Impostor:
             out["known"].append(reply.get("known"))
             if i == 2:
                 os.write(out_w, b"beating\n")
-            if select.select([stop_r], [], [], 0.05)[0] or time.monotonic() > deadline:
+            if readable(stop_r, 0.05) or time.monotonic() > deadline:
                 break
         sock.close(linger=0)
         return out

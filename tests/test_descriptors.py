@@ -27,7 +27,7 @@ from cached_client.transport import Connection
 from cached.descriptors import Budget
 from cached.errors import ConfigError
 from tests.daemon import ProcessDaemon, dataset_shards, write_config
-from tests.hostile import as_other_user
+from tests.hostile import as_other_user, close_inherited
 from tests.s3server import S3Server
 from tests.test_daemon import upload
 
@@ -102,6 +102,7 @@ def as_nobody(
     if pid == 0:  # never returns into pytest
         try:
             os.close(read)
+            close_inherited(write)  # the limit below counts this child's own descriptors
             resource.setrlimit(resource.RLIMIT_NOFILE, (connections + 64, connections + 64))
             os.setgroups([])
             os.setgid(NOBODY)

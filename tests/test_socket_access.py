@@ -82,8 +82,10 @@ def as_user(endpoint: str, uid: int, gid: int, groups: list[int]) -> dict[str, A
         except BaseException as exc:
             out["error"] = repr(exc)
         finally:
-            os.write(write, json.dumps(out).encode())
-            os._exit(0)
+            try:  # a parent that gave up has closed the pipe: exit all the same
+                os.write(write, json.dumps(out).encode())
+            finally:
+                os._exit(0)
     os.close(write)
     with os.fdopen(read, "rb") as pipe:
         data = pipe.read()
