@@ -216,6 +216,13 @@ class Fetcher:
         """The READY shard for this object, if the hot tier has it (a look, not a use)."""
         return self.hot.get(shard_id(info), access=False)
 
+    def resident_fresh(self, url: str) -> Shard | None:
+        """The READY shard for ``url`` if the store's answer about it is young enough for
+        an open (``[s3] revalidate_s``) and the hot tier has that version: what an open
+        would find at once. Nothing is asked of the store or fetched."""
+        info = self.lookups.fresh(url, revalidate=True)
+        return self.resident(info) if info is not None else None
+
     async def ensure(
         self, url: str, priority: int = DEMAND, *, revalidate: bool = True, give_way: bool = False
     ) -> tuple[Shard, bool]:

@@ -1049,19 +1049,10 @@ class Server:
 
     def _resident_now(self, header: Header) -> bool:
         """Whether the shard a read names can be served at once, as an open would find it:
-        an answer from the store young enough (``[s3] revalidate_s``) and a READY copy,
-        and room to pin it ahead: a shard no reader holds yet is pinned this way only
-        while pins hold at most half the tier, so that readers' pins ahead never leave
-        too little room for the shards they wait for. Nothing is asked of the store,
-        fetched or pinned."""
-        info = self.fetcher.lookups.fresh(_url(header), revalidate=True)
-        shard = self.fetcher.resident(info) if info is not None else None
-        if shard is None:
-            return False
-        hot = self.hot
-        return (
-            bool(shard.pins) or hot.pinned_total + shard.reserved_bytes <= hot.capacity_bytes // 2
-        )
+        a fresh READY copy (``Fetcher.resident_fresh``) and room to pin it ahead
+        (``HotTier.may_pin_ahead``). Nothing is asked of the store, fetched or pinned."""
+        shard = self.fetcher.resident_fresh(_url(header))
+        return shard is not None and self.hot.may_pin_ahead(shard)
 
     async def _read(self, header: Header, client: Peer) -> tuple[Header, list[Any]]:
         start = _int(header, "start")

@@ -354,6 +354,15 @@ class HotTier:
         :meth:`pinned_bytes` walks the tier)."""
         return self._pinned_total
 
+    def may_pin_ahead(self, shard: Shard) -> bool:
+        """Whether a reader may pin ``shard`` before it needs it (a whole read's
+        ``if_resident``): always once a reader holds it; otherwise only while pins hold
+        at most half the tier, so that readers' pins ahead never leave too little room
+        for the shards they wait for."""
+        return bool(shard.pins) or self._pinned_total + shard.reserved_bytes <= (
+            self.capacity_bytes // 2
+        )
+
     @contextlib.contextmanager
     def wanted(self, shard_id: str) -> Iterator[None]:
         """While open, a reader waits for ``shard_id``: once published, eviction spares it
