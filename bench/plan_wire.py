@@ -68,7 +68,8 @@ from cached.access import Access
 from cached.datasets import Datasets, checked, resolve
 from cached.demo.stack import DaemonProcess
 from cached.planner import Planner, prepare
-from cached.server import MAX_REQUEST_DEPTH, _checked_plan
+from cached.server.checks import MAX_REQUEST_DEPTH
+from cached.server.plans import checked_plan
 
 URL_TEMPLATE = "s3://training-data/imagenet/train/shard-{:06d}.tar"
 SEED = 0
@@ -239,8 +240,8 @@ def on_the_daemon(
 async def _install(
     planner: Planner, access: Access, held: Datasets, frames: list[bytes]
 ) -> dict[str, float]:
-    """The server's steps for each request (``Server._handle``, ``_check_access``,
-    ``_dataset`` or ``_plan``), in order; the CPU seconds of each, summed over ``frames``.
+    """The server's steps for each request (``Dispatch.handle``, ``_check_access``,
+    ``Plans.dataset`` or ``Plans.plan``), in order; the CPU seconds of each, summed over ``frames``.
     A dataset's steps count as "urls"; a plan by positions has no "allow" step (its
     dataset's URLs were allowed when told) and its "urls" step resolves the positions."""
     spent = dict.fromkeys(STEPS, 0.0)
@@ -258,9 +259,9 @@ async def _install(
             spent["urls"] += time.process_time() - t2
             continue
         dataset = header.get("dataset", "")
-        if dataset:  # cached.server.Server._plan, a plan by positions
+        if dataset:  # cached.server.plans.Plans.plan, a plan by positions
             urls = resolve(held.get(dataset), header["index"], 1 << 30)
-        else:  # cached.server._checked_plan, in its two steps
+        else:  # cached.server.plans.checked_plan, in its two steps
             urls = header["urls"]
             if not all(isinstance(u, str) for u in urls):
                 raise RuntimeError("a plan of non-strings")
@@ -322,7 +323,7 @@ def memory(form: Form) -> dict[str, Any]:
                     urls = resolve(held.get(header["dataset"]), header["index"], 1 << 30)
                     plan = prepare(header["plan"], urls, cursor=header["cursor"], job=header["job"])
                 else:
-                    plan = _checked_plan(
+                    plan = checked_plan(
                         header["plan"], header["urls"], header["cursor"], header["job"]
                     )
                 for _ in planner.install(plan):

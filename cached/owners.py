@@ -7,7 +7,7 @@ own): a request under a name another user chose names that user's own plan, leas
 dataset, never the other one's. Another user can neither replace nor drop a reader's plan,
 move its cursor (a read's ``plan`` and ``pos``), nor release its pins (a ``close`` or a
 ``release`` naming its stream). A session (a heartbeat's name for a connection) is checked
-against its connection's user where it is used (``Server._session_of``, ``_heartbeat``).
+against its connection's user where it is used (``cached.server.sessions``).
 
 ``status`` shows each user its own plans; the daemon's own user and root see every plan
 with the user that holds it. The admin HTTP ``/status`` knows no user (anyone on the node

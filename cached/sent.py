@@ -8,7 +8,7 @@ daemon, out of any byte cap's sight (a shard's worth each, for large samples). S
 payload frame of each large reply is tracked (pyzmq's ``MessageTracker``: done once libzmq
 has written the message out and freed it, cached/tiers/pread.py makes that frame), its
 reply's bytes are counted until then, and a reply that would pass a cap waits in the
-connection's backlog instead (cached/server.py), under the backlog's own byte caps and
+connection's backlog instead (cached/server/sendq.py), under the backlog's own byte caps and
 ``reply_timeout_s``. A scope that holds nothing takes a reply whatever its size, so the
 bytes held are at most each cap and one reply more.
 """

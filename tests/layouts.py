@@ -26,7 +26,7 @@ def local_reply(
     path: Path, rows: list[Any], *, algorithm: str = "xxh3_64", url: str = "s3://b/x.tar"
 ) -> tuple[dict[str, Any], bytes]:
     """A local read's reply header for ``rows`` of the file ``path``, and its layout frame:
-    what the daemon sends (server.py ``_read``, ``HotTier.locate``)."""
+    what the daemon sends (``cached.server.reads.Reads.read``, ``HotTier.locate``)."""
     frame, exts = packed(rows)
     st = path.stat()
     where = {"path": str(path), "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns}

@@ -62,7 +62,7 @@ GPU_ONLY = {
 UNSEEN_VALUES = {
     # A daemon with every resident shard pinned answers cache_full (cached/errors.py).
     ("cached_requests_total", "result", ErrorCode.CACHE_FULL.value),
-    # Misses of `cached prefetch`, which this run does not use (cached/server.py).
+    # Misses of `cached prefetch`, which this run does not use (cached/server/reads.py).
     ("cached_misses_total", "kind", "prefetch"),
 }
 # Labels Prometheus attaches to every series of a target: not in the exposition. `node` is

@@ -243,7 +243,7 @@ def test_a_plan_past_max_plan_shards_is_refused_and_holds_nothing_one_at_the_lim
     urls = [f"s3://b/shard-{i:04d}.tar" for i in range(5)]
     with thread_daemon(cfg) as d:
         server = d.daemon.server
-        d.call(lambda: setattr(server, "max_plan_shards", 4))  # the Server's parameter
+        d.call(lambda: setattr(server.plans, "max_plan_shards", 4))  # the Server's parameter
 
         def held() -> tuple[int, int]:
             return d.call(lambda: (server.plan_quota.total_held, server.plan_urls.total_held))
@@ -276,7 +276,7 @@ def test_a_plan_names_at_most_1_000_000_shards_by_default_as_documented(tmp_path
     cfg = daemon_config(tmp_path, None, **{"prefetch.lookahead": "0"})
     with thread_daemon(cfg) as d:
         server = d.daemon.server
-        assert d.call(lambda: server.max_plan_shards) == 1_000_000
+        assert d.call(lambda: server.plans.max_plan_shards) == 1_000_000
         conn = Connection(d.socket)
         try:
             urls = [f"s3://b/{i}" for i in range(1_000_001)]

@@ -131,7 +131,7 @@ def test_bad_datasets_and_plans_are_refused_each_with_its_code(tmp_path: Path) -
 def test_a_plan_by_positions_names_at_most_max_plan_shards(tmp_path: Path) -> None:
     with connected(tmp_path) as (d, conn):
         server = d.daemon.server
-        d.call(lambda: setattr(server, "max_plan_shards", 4))
+        d.call(lambda: setattr(server.plans, "max_plan_shards", 4))
         with pytest.raises(RemoteError, match="a dataset may name at most 4 shards"):
             tell(conn, URLS)
         tell(conn, URLS[:4])

@@ -27,7 +27,7 @@ from cached_client.errors import LimitExceeded, RequestTooLarge, remote_error
 from cached_client.protocol import PROTOCOL_VERSION, decode, encode
 from cached_client.transport import Connection
 
-from cached import server as server_module
+from cached.server import loop as server_module
 from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, thread_daemon
 from tests.faultproxy import FaultProxy
 from tests.hostile import (

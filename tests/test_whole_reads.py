@@ -18,7 +18,7 @@ from cached_client.errors import RemoteError
 from cached_client.protocol import decode, encode
 from cached_client.transport import Connection
 
-import cached.server
+import cached.server.dispatch
 from tests.daemon import ThreadDaemon, daemon_config, dataset_shards, thread_daemon
 from tests.s3server import S3Server
 from tests.test_daemon import upload
@@ -160,7 +160,7 @@ def test_a_daemon_without_whole_reads_is_sent_opens(
 ) -> None:
     """An older daemon (no "whole" in its hello's features) gets an open per shard, as
     before D33."""
-    monkeypatch.setattr(cached.server, "FEATURES", ("release",))
+    monkeypatch.setattr(cached.server.dispatch, "FEATURES", ("release",))
     shards = dataset_shards(3, 10, payload=3000)
     urls = upload(s3_server, bucket, shards)
     with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
