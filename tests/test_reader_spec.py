@@ -65,7 +65,7 @@ import xxhash
 from cached_client import FastLoader
 from cached_client import local as local_module
 from cached_client.errors import ProtocolError
-from cached_client.fast import _Filling
+from cached_client.filling import Filling as _Filling
 from cached_client.layouts import BYTES_MAX, MALFORMED, PackedRows, check_rows, unpacked
 from cached_client.local import (
     MAX_GAP,
