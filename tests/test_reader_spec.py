@@ -1,7 +1,7 @@
 """One specification of the local reader, held by both implementations: the compiled
 one (``cached_client._gather``: ``layout_packed``, then ``read``; through
 ``local.laid_out`` and ``LocalPayload.read_planned``) and the Python one
-(``layouts.unpacked`` and ``layouts.check_rows``, ``fast._Filling.receive``'s loop, then
+(``layouts.unpacked`` and ``layouts.check_rows``, ``filling.Filling.receive``'s loop, then
 ``LocalPayload.read_many``). Issue 21, item 3.
 
 Inputs

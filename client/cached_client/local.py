@@ -279,7 +279,7 @@ def laid_out(
     *,
     checked: bool,
 ) -> bytes:
-    """The compiled layout of ``samples`` in a batch (FastLoader's ``_Filling.receive``):
+    """The compiled layout of ``samples`` in a batch (FastLoader's ``Filling.receive``):
     ``used``, ``offsets`` and ``keys`` extended as the Python loop would; ``exts`` gets
     the names of the plan's extension indices, as many as there are. Only where
     :data:`GATHER` is built. A layout that breaks the specification (:func:`unpacked`,
