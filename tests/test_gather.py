@@ -19,7 +19,7 @@ import pytest
 import xxhash
 from cached_client import local
 from cached_client.buffers import Slot
-from cached_client.fast import _Filling
+from cached_client.filling import Filling as _Filling
 from cached_client.layouts import PackedRows
 from cached_client.local import LocalFiles, LocalUnavailable
 

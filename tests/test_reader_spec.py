@@ -1,7 +1,7 @@
 """One specification of the local reader, held by both implementations: the compiled
 one (``cached_client._gather``: ``layout_packed``, then ``read``; through
 ``local.laid_out`` and ``LocalPayload.read_planned``) and the Python one
-(``layouts.unpacked`` and ``layouts.check_rows``, ``fast._Filling.receive``'s loop, then
+(``layouts.unpacked`` and ``layouts.check_rows``, ``filling.Filling.receive``'s loop, then
 ``LocalPayload.read_many``). Issue 21, item 3.
 
 Inputs
@@ -65,7 +65,7 @@ import xxhash
 from cached_client import FastLoader
 from cached_client import local as local_module
 from cached_client.errors import ProtocolError
-from cached_client.fast import _Filling
+from cached_client.filling import Filling as _Filling
 from cached_client.layouts import BYTES_MAX, MALFORMED, PackedRows, check_rows, unpacked
 from cached_client.local import (
     MAX_GAP,

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .accelerator import require_device
 from .errors import StaleBatch, UsageError
 
 log = logging.getLogger(__name__)
@@ -211,8 +212,6 @@ class Batch:
             return self
         if target.type != "cuda":
             return Batch(self.keys, {e: t.to(target) for e, t in data.items()}, self.offsets)
-        from .device import require_device
-
         target = require_device(target)
         with torch.cuda.device(target):
             moved = {e: t.to(target, non_blocking=non_blocking) for e, t in data.items()}

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import itertools
 import multiprocessing
 import os
-import random
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -18,14 +16,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 from . import elastic, jobs, partition, resume
 from . import placement as placement_module
 from .catalog import Catalog
-from .errors import UsageError
+from .dataset_pass import EpochPass, Sample
+from .endpoint import resolve_endpoint
 from .local import choose
 from .reader import RawSample, announce, pipelined_reads, raw_samples, shard_lengths
-from .resume import Position, Ref
-from .transport import Connection, resolve_endpoint
+from .resume import Ref
+from .transport import Connection
 from .urls import expand_all
-
-Sample = dict[str, Any]
 
 # The process (by pid) whose objects from before its first iteration were frozen.
 _frozen_pid = 0
@@ -144,7 +141,7 @@ class CachedDataset(IterableDataset[Any]):
         self._lengths: list[int] | None = None
         # The iteration running (or last run) in this process, for state_dict; and a state
         # loaded for the next iteration to resume.
-        self._pass: _Pass | None = None
+        self._pass: EpochPass | None = None
         self._pending: dict[str, Any] | None = None
         # Names this dataset's plans at the daemon; the same in every worker and epoch, so
         # an epoch's plan replaces the previous one (which announced it in advance).
@@ -251,16 +248,21 @@ class CachedDataset(IterableDataset[Any]):
             saved = resume.for_epoch(
                 saved, self.epoch, "CachedDataset", f"the dataset is set to epoch {self.epoch}"
             )
-        run = self._pass = _Pass(self.epoch, saved)
+        run = self._pass = EpochPass(self.epoch, saved)
         return self._iterate(run, stream)
 
-    def _iterate(self, run: _Pass, stream: int) -> Iterator[Any]:
+    def _iterate(self, run: EpochPass, stream: int) -> Iterator[Any]:
         samples: Iterator[Sample]
         if self.shuffle:
-            shuffled = run.shuffled(self, stream)
+            shuffled = run.shuffled(
+                lambda picks: self._read(run, stream, picks),
+                seed=self.seed,
+                size=self.shuffle_buffer,
+                stream=stream,
+            )
             samples = (sample for _, sample in shuffled)
         else:
-            samples = (sample for _, sample in run.stream(self, stream, []))
+            samples = (sample for _, sample in self._read(run, stream, []))
         if self.decode is None:
             yield from samples
         else:
@@ -311,7 +313,7 @@ class CachedDataset(IterableDataset[Any]):
         """
         if self._pending is not None:
             return dict(self._pending)
-        run = self._pass or _Pass(self.epoch, None)
+        run = self._pass or EpochPass(self.epoch, None)
         if run.elastic is not None and run.own is None:
             return dict(run.elastic)  # not started: the merged state it was loaded from
         return {**self._identity(), **run.state()}
@@ -334,122 +336,28 @@ class CachedDataset(IterableDataset[Any]):
         if get_worker_info() is None:
             self.set_epoch(int(state["epoch"]))
 
-
-class _Pass:
-    """One reader's pass over one epoch: what it has taken so far, for ``state_dict``."""
-
-    def __init__(self, epoch: int, saved: Mapping[str, Any] | None) -> None:
-        self.epoch = epoch
-        # A merged state: this pass reads its share of the rest of the saved epoch.
-        self.elastic = saved if saved is not None and saved.get("elastic") else None
-        self.lengths: str | None = None if saved is None else saved.get("lengths")
-        if self.elastic is not None:
-            saved = None
-        self.saved = saved
-        self.position = Position(epoch) if saved is None else Position.saved(saved)
-        self.shuffle: partition.ShuffleBuffer[tuple[Ref, Sample]] | None = None
-        # The parts of a pass that is a share of an epoch's rest (not the epoch's plan).
-        own = None if saved is None else saved.get("own")
-        self.own = None if own is None else elastic.parts_from(own)
-
-    def state(self) -> dict[str, Any]:
-        """This pass's fields of a state dict (see ``CachedDataset.state_dict``)."""
-        shuffle = self.shuffle
-        if shuffle is not None:
-            buffer = [[part, offset] for (part, offset), _ in shuffle.buffer]
-            rng: list[Any] | None = resume.rng_state(shuffle.rng)
-            started, owed, draining = shuffle.started, shuffle.owed, shuffle.draining
-        elif self.saved is not None:  # not started: the state it was loaded from
-            buffer = [list(ref) for ref in self.saved.get("buffer") or []]
-            rng, (started, owed, draining) = self.saved.get("rng"), _buffer_phase(self.saved)
-        else:
-            buffer, rng, started, owed, draining = [], None, False, 0, False
-        return {
-            **self.position.state(),
-            "buffer": buffer,
-            "rng": rng,
-            "started": started,
-            "owed": owed,
-            "draining": draining,
-            "lengths": self.lengths,
-            "own": None if self.own is None else elastic.parts_state(self.own),
-        }
-
-    def _buffered(self) -> list[Ref]:
-        if self.saved is None:
-            return []
-        try:
-            return [(int(part), int(offset)) for part, offset in self.saved.get("buffer") or []]
-        except (TypeError, ValueError):
-            raise UsageError("cannot resume CachedDataset: a damaged shuffle buffer") from None
-
-    def shuffled(self, ds: CachedDataset, stream: int) -> Iterator[tuple[Ref, Sample]]:
-        """The pass's samples through the shuffle buffer, restored if resumed."""
-        picks = self._buffered()
-        source = self.stream(ds, stream, picks)
-        # The buffer's samples come back first, read by index; the buffer then holds them
-        # in its saved order, and the shuffle goes on as if never interrupted.
-        back = dict(itertools.islice(source, len(picks)))
-        if set(back) != set(picks):
-            raise UsageError(
-                "cannot resume CachedDataset: samples of the saved shuffle buffer are not in "
-                "the shards any more (did the shards change?)"
-            )
-        saved = self.saved
-        if saved is not None and saved.get("rng") is not None:
-            rng = resume.rng_from(saved["rng"])
-        else:
-            rng = random.Random(f"samples/{ds.seed}/{self.epoch}/{stream}")
-        started, owed, draining = _buffer_phase(saved) if saved is not None else (False, 0, False)
-        position = self.position
-        self.shuffle = partition.ShuffleBuffer(
-            ds.shuffle_buffer,
-            rng,
-            # Start once the first part is all in: its last sample moves the position to
-            # part 1 before the buffer takes it. Waiting for more would wait for the next
-            # shard's download; where it starts is a function of the data, not of timing.
-            early=lambda: position.part > 0,
-            buffer=[(ref, back[ref]) for ref in picks],
-            started=started,
-            owed=owed,
-            draining=draining,
-        )
-        return self.shuffle.run(source)
-
-    def stream(
-        self, ds: CachedDataset, stream: int, picks: Sequence[Ref]
+    def _read(
+        self, run: EpochPass, stream: int, picks: Sequence[Ref]
     ) -> Iterator[tuple[Ref, Sample]]:
         """``picks`` (samples before the position), then the rest of the pass from the
         position, each as ``(ref, sample)``; the position moves as the rest is taken."""
-        if ds.equal_batches:
-            lengths = resume.fingerprint(ds.lengths())
-            if self.lengths is not None and self.lengths != lengths:
-                raise UsageError(
-                    "cannot resume CachedDataset: the shards' sample counts changed since "
-                    "the state was saved (equal_batches splits by them)"
-                )
-            self.lengths = lengths
-        if self.elastic is not None and self.own is None:
-            self.own = elastic.resumed_share(
-                self.elastic,
-                ds.reader(),
-                n_shards=len(ds.urls),
-                seed=ds.seed,
-                epoch=self.epoch,
-                lengths=ds.lengths() if ds.equal_batches else None,
-            )
-        parts = self.own if self.own is not None else ds.parts(self.epoch)
-        self.position.start(parts, "CachedDataset")
-        spans, owners = resume.resume_spans(ds.urls, parts, self.position, picks)
-        conn, sid = ds.connection(), ds._stream_id()
+        parts = run.begin(
+            lengths=self.lengths if self.equal_batches else None,
+            reader=self.reader,
+            n_shards=len(self.urls),
+            seed=self.seed,
+            plan=self.parts,
+        )
+        spans, owners = resume.resume_spans(self.urls, parts, run.position, picks)
+        conn, sid = self.connection(), self._stream_id()
         # The plan: what is left of this epoch (a resumed reader's rest), then the next
         # epoch's shards, so the daemon warms the hot tier across the epoch boundary and
         # knows what not to evict.
-        ahead = [ds.urls[p.shard] for p in ds.parts(self.epoch + 1)]
-        key = f"{ds._plans}/r{ds.rank}/s{stream}"
-        told = announce(conn, key, [s.url for s in spans] + ahead, ds.job, ds.catalog)
+        ahead = [self.urls[p.shard] for p in self.parts(run.epoch + 1)]
+        key = f"{self._plans}/r{self.rank}/s{stream}"
+        told = announce(conn, key, [s.url for s in spans] + ahead, self.job, self.catalog)
         plan = key if told else None
-        reads = pipelined_reads(conn, spans, sid, inflight=ds.inflight, plan=plan)
+        reads = pipelined_reads(conn, spans, sid, inflight=self.inflight, plan=plan)
         left = len(picks)
         for read, rid in reads:
             reply, frames = conn.wait(rid)
@@ -461,21 +369,8 @@ class _Pass:
                 if left:  # a picked sample: before the position, which stays
                     left -= 1
                 else:
-                    self.position.took(ref, read.last and i == len(raws) - 1)
+                    run.position.took(ref, read.last and i == len(raws) - 1)
                 yield ref, to_sample(read.url, raw)
-
-
-def _buffer_phase(saved: Mapping[str, Any]) -> tuple[bool, int, bool]:
-    """``(started, owed, draining)`` of a saved shuffle buffer. A version 1 state has no
-    ``started`` or ``owed``: it was saved between two items given out (so the buffer had
-    started, and owed nothing) or before the first (an empty buffer, not started)."""
-    draining = bool(saved.get("draining"))
-    if "started" not in saved:
-        return bool(saved.get("buffer")) or draining, 0, draining
-    try:
-        return bool(saved["started"]), int(saved.get("owed") or 0), draining
-    except (TypeError, ValueError):
-        raise UsageError("cannot resume CachedDataset: a damaged shuffle buffer") from None
 
 
 def to_sample(url: str, raw: RawSample) -> Sample:

@@ -1,5 +1,6 @@
-"""The trip to the accelerator: checking the device, non-blocking copies on a side
-stream handed to the consumer's stream of the right device, and a meter for data stalls."""
+"""The trip to the accelerator: non-blocking copies on a side stream handed to the
+consumer's stream of the right device, and a meter for data stalls. Which device a batch
+may go to is checked in :mod:`.accelerator` (re-exported here)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from typing import Any, TypeVar
 import torch
 
 from . import jobs
+from .accelerator import require_device, with_index
 from .buffers import Batch, host_buffer, pinned_memory_available
-from .errors import DeviceUnavailable
-from .transport import resolve_endpoint
+from .endpoint import resolve_endpoint
 
 T = TypeVar("T")
 
@@ -26,33 +27,6 @@ __all__ = [
     "to_device",
     "with_index",
 ]
-
-
-def require_device(device: str | torch.device) -> torch.device:
-    """``device`` as a ``torch.device`` that exists here; a CUDA device gets its index
-    (the current device for a bare ``"cuda"``). Raises :class:`DeviceUnavailable` (before
-    anything else happens) when CUDA is absent or the index is out of range."""
-    target = torch.device(device)
-    if target.type != "cuda":
-        return target
-    if not torch.cuda.is_available():
-        raise DeviceUnavailable(
-            f"CUDA is not available (torch {torch.__version__}"
-            f"{', a CPU-only build' if torch.version.cuda is None else ''}), so batches cannot "
-            f"go to {str(device)!r}; pass device=None to keep them on the host"
-        )
-    count = torch.cuda.device_count()
-    if target.index is not None and target.index >= count:
-        raise DeviceUnavailable(f"{target} does not exist: this node has {count} CUDA devices")
-    return target
-
-
-def with_index(device: torch.device) -> torch.device:
-    """A bare ``cuda`` as the device current now (resolved at first use, not construction:
-    DDP scripts often build loaders before ``torch.cuda.set_device``)."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:

@@ -37,7 +37,7 @@ def spans(rows: list[Any], checked: bool) -> Any:
 
 def check_rows(rows: Sequence[Any], used: dict[str, int]) -> None:
     """The Python reader's check of ``rows`` (:func:`unpacked`) before it lays them out
-    after ``used`` (FastLoader's ``_Filling.receive``): what the compiled reader's layout
+    after ``used`` (FastLoader's ``Filling.receive``): what the compiled reader's layout
     refuses, refused alike and said alike (ProtocolError): an extension's members adding
     up past :data:`BYTES_MAX` in the batch, one member's size past it included."""
     total = dict(used)

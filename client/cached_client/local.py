@@ -1,20 +1,21 @@
 """The local data plane: a reader on the daemon's node reads sample bytes straight from
 the hot tier's shard files, and the ZeroMQ socket carries only the control messages
-(plans, opens, leases, the index of each read).
+(plans, opens, leases, the index of each read). This room reads one local reply's members.
 
 A ``read`` sent with ``local: true`` is answered, by a daemon that offers it, with the
 shard file's path and identity and its layout, one packed frame (:class:`PackedRows`:
 each member's extension, size, offset and checksum), and no payload frames; the
-compiled reader lays it out as it is, the Python one decodes it (:func:`unpacked`).
-:class:`LocalFiles` opens the file once per shard (the descriptor keeps the bytes
-valid even if the daemon unlinks the file), checks that it is the daemon's file and not a
-namesake (another host's hot tier, a container's own directory), and reads each member
-with ``pread`` into a new ``bytes`` or ``preadv`` into the caller's buffer (FastLoader's
-pinned ring): one copy, from the page cache, and none through the daemon.
+compiled reader (:data:`GATHER`, where it is built) lays it out as it is, the Python one
+decodes it (:func:`unpacked`). Each member is read with ``pread`` into a new ``bytes`` or
+``preadv`` into the caller's buffer (FastLoader's pinned ring): one copy, from the page
+cache, and none through the daemon. :class:`LocalRead` falls back to the same read asked
+through the socket where the file fails it. :func:`choose` is the loaders' setting.
 
-A reader that cannot open the files (tcp:// to another host, a container without the
-cache mount, a user outside the daemon's group) is told so by :class:`LocalUnavailable`;
-the connection then reads through the socket as before (docs/protocol.md, "Local reads").
+The files themselves (opened once per shard, checked to be the daemon's, a few kept
+open) are :mod:`.local_files`', re-exported here. A reader that cannot open them (tcp://
+to another host, a container without the cache mount, a user outside the daemon's group)
+is told so by :class:`LocalUnavailable`; the connection then reads through the socket as
+before (docs/protocol.md, "Local reads").
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ import importlib
 import logging
 import os
 import struct
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -34,11 +33,28 @@ import xxhash
 
 from .errors import ProtocolError, UsageError
 from .layouts import BYTES_MAX, MALFORMED, PackedRows, spans, unpacked
+from .local_files import MAX_GAP, MAX_OPEN_FILES, LocalFiles, LocalUnavailable
 from .protocol import Header
 
 # The daemon's member checksums (cached/tiers/verify.py), by the name its replies give;
 # a reply naming another is read unchecked.
 _DIGESTS = {"xxh3_64": xxhash.xxh3_64_intdigest}
+
+__all__ = [
+    "ENV",
+    "GATHER",
+    "MAX_GAP",
+    "MAX_OPEN_FILES",
+    "LocalFiles",
+    "LocalFrame",
+    "LocalPayload",
+    "LocalRead",
+    "LocalUnavailable",
+    "choose",
+    "copy_frame",
+    "laid_out",
+    "plan_places",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,25 +86,8 @@ _MODES: dict[str, bool | None] = {
     **dict.fromkeys(("on", "1", "true", "yes"), True),
     **dict.fromkeys(("off", "0", "false", "no"), False),
 }
-# Shard files kept open at once per connection: the shards being read, with room to spare.
-MAX_OPEN_FILES = 32
-# Bytes between two members that one read still spans (tar headers and padding, members not
-# asked for) rather than being split in two system calls: reading a gap is cheaper than a
-# call, up to about this size.
-MAX_GAP = 64 << 10
 # iovecs per preadv (the kernel's IOV_MAX; 1024 on Linux).
 _IOV_MAX = int(os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
-
-
-class LocalUnavailable(Exception):
-    """A local reply could not be read here. ``lasting``: the files are not reachable from
-    this process at all (no such directory, permission, another file of that name), so
-    the connection stops asking; otherwise only this read goes through the socket (a file
-    gone, a checksum that failed: the daemon re-checks and fetches a good copy)."""
-
-    def __init__(self, why: str, *, lasting: bool) -> None:
-        super().__init__(why)
-        self.lasting = lasting
 
 
 def choose(local_reads: bool | None) -> bool | None:
@@ -102,34 +101,15 @@ def choose(local_reads: bool | None) -> bool | None:
     return _MODES[value]
 
 
-@dataclass(frozen=True)
-class _Open:
-    fd: int
-    url: str
-    identity: tuple[Any, Any, Any]
+class LocalPayload:
+    """The members of one local reply, by index, in the shard file. Each read looks the
+    file up by path and identity: a member read after the shard's file was closed opens
+    it again (or fails over to the socket), never a descriptor number reused since."""
 
-
-class LocalFiles:
-    """The hot-tier files one connection reads, by path; a few kept open (LRU)."""
-
-    def __init__(self) -> None:
-        self._open: OrderedDict[str, _Open] = OrderedDict()
-        # Whether a file of the daemon's opened here: then a file missing or replaced is
-        # about that shard (evicted after a lease lapsed, fetched again), not about this
-        # process, and only that read goes through the socket.
-        self._worked = False
-        # Where the bytes between members go (see LocalPayload.read_many): never looked at.
-        self._scratch = memoryview(bytearray(MAX_GAP))
-        self._gaps: dict[int, memoryview] = {}  # its slices by size (tar headers: a few)
-
-    def gap(self, n: int) -> memoryview:
-        """``n`` bytes of scratch space, ``n`` at most :data:`MAX_GAP`."""
-        view = self._gaps.get(n)
-        if view is None:
-            view = self._gaps[n] = self._scratch[:n]
-        return view
-
-    def payload(self, header: Header, samples: Any, url: str = "") -> LocalPayload:
+    @classmethod
+    def of_reply(
+        cls, files: LocalFiles, header: Header, samples: Any, url: str = ""
+    ) -> LocalPayload:
         """The members of a local read reply to a read of ``url``, in the shard file;
         ``samples()`` gives its layout in the Python reader's form (:func:`unpacked`),
         asked only by the Python reads. Raises
@@ -139,58 +119,7 @@ class LocalFiles:
             raise ProtocolError("a local reply without its file's path")
         algorithm = where.get("algorithm")
         digest = _DIGESTS.get(algorithm) if isinstance(algorithm, str) else None
-        return LocalPayload(self, samples, url, where, digest)
-
-    def fd(self, where: dict[str, Any], url: str) -> int:
-        """The open file the reply ``where`` names (opened, and checked, once). Raises
-        :class:`LocalUnavailable`."""
-        path = where["path"]
-        identity = (where.get("ino"), where.get("size"), where.get("mtime_ns"))
-        held = self._open.pop(path, None)
-        if held is not None:
-            if held.identity == identity:
-                self._open[path] = held  # the most recently used, last
-                return held.fd
-            os.close(held.fd)  # a new copy of the shard (refetched) under the same name
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            # Before any file opened here, not finding it (or not being let in) means this
-            # process does not see the daemon's directory, and will not. After: the shard
-            # went (its lease lapsed while the reader stalled, a forced eviction).
-            raise LocalUnavailable(
-                f"cannot open {path}: {exc.strerror}", lasting=not self._worked
-            ) from None
-        st = os.fstat(fd)
-        if (st.st_ino, st.st_size, st.st_mtime_ns) != identity:
-            os.close(fd)
-            # Before any file opened here: not the daemon's file, the same path on another
-            # host or in another mount. After: another copy of the shard replaced it.
-            raise LocalUnavailable(
-                f"{path} here is not the daemon's file", lasting=not self._worked
-            )
-        self._worked = True
-        self._open[path] = _Open(fd, url, identity)
-        while len(self._open) > MAX_OPEN_FILES:
-            _, old = self._open.popitem(last=False)
-            os.close(old.fd)
-        return fd
-
-    def release(self, url: str) -> None:
-        """Close the files of ``url``'s shard (before its lease goes: see the module)."""
-        for path in [p for p, held in self._open.items() if held.url == url]:
-            os.close(self._open.pop(path).fd)
-
-    def close(self) -> None:
-        """Close every file."""
-        while self._open:
-            os.close(self._open.popitem()[1].fd)
-
-
-class LocalPayload:
-    """The members of one local reply, by index, in the shard file. Each read looks the
-    file up by path and identity: a member read after the shard's file was closed opens
-    it again (or fails over to the socket), never a descriptor number reused since."""
+        return cls(files, samples, url, where, digest)
 
     def __init__(
         self, files: LocalFiles, samples: Any, url: str, where: dict[str, Any], digest: Any
@@ -350,7 +279,7 @@ def laid_out(
     *,
     checked: bool,
 ) -> bytes:
-    """The compiled layout of ``samples`` in a batch (FastLoader's ``_Filling.receive``):
+    """The compiled layout of ``samples`` in a batch (FastLoader's ``Filling.receive``):
     ``used``, ``offsets`` and ``keys`` extended as the Python loop would; ``exts`` gets
     the names of the plan's extension indices, as many as there are. Only where
     :data:`GATHER` is built. A layout that breaks the specification (:func:`unpacked`,
@@ -466,7 +395,9 @@ class LocalRead:
 
     def _source(self) -> LocalPayload:
         if self._payload is None:
-            self._payload = self._files.payload(self._header, self.samples, self._url)
+            self._payload = LocalPayload.of_reply(
+                self._files, self._header, self.samples, self._url
+            )
         return self._payload
 
     def member(self, i: int) -> bytes:

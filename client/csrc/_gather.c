@@ -1,7 +1,7 @@
 /*
  * cached_client._gather: FastLoader's local read of one reply's members, in C.
  *
- * The Python path (cached_client/fast.py _Filling.receive, then local.py
+ * The Python path (cached_client/filling.py Filling.receive, then local.py
  * LocalPayload.read_many) spends about 2.5 us of interpreter time per member: the
  * layout of each member in its extension's buffer, one memoryview slice per member
  * and per gap, and one XXH3 call per member after every run was read. Here one call
@@ -33,7 +33,7 @@
 #define MEMBER_HASH XXH3_64bits
 #endif
 
-/* As local.py: bytes between two members that one preadv still spans. */
+/* As local_files.py: bytes between two members that one preadv still spans. */
 #define MAX_GAP (64 << 10)
 /* A run ends once it holds this many bytes, so that its members are still in the core's
  * L2 cache when they are checked: 0.73-0.75x a raw read against 0.58-0.64x with whole-shard

@@ -33,15 +33,16 @@ to end (``cached diagnose`` in the daemon's CLI calls ``run.run``). ``python -m
 cached_client.diagnose --worker`` (:mod:`.__main__`) is the reader process of the transport
 measurement. :mod:`.units`: how sizes, rates and times read.
 
-One more room, which every client uses: :mod:`.unreachable`, why a daemon gave no handshake
-(:mod:`cached_client.transport` imports :func:`explain_unreachable` from here). So importing
-this package stays cheap: it imports that room alone, and the measurement's rooms are
-imported by their module (``from cached_client.diagnose.run import run``); none of them
-imports torch or numpy at import time. They are not re-exported lazily either: ``measure``,
-``report`` and ``run`` are each a module's name and its function's, and a submodule
-imported first would shadow its function here.
+Why a daemon gave no handshake (:func:`explain_unreachable`) lives a floor below, in
+:mod:`cached_client.endpoint`, which the transport imports; it is re-exported here for
+callers that took it from this package. So importing this package stays cheap: it imports
+that room alone, and the measurement's rooms are imported by their module (``from
+cached_client.diagnose.run import run``); none of them imports torch or numpy at import
+time. They are not re-exported lazily either: ``measure``, ``report`` and ``run`` are each a
+module's name and its function's, and a submodule imported first would shadow its function
+here.
 """
 
-from .unreachable import explain_unreachable
+from ..endpoint import explain_unreachable
 
 __all__ = ["explain_unreachable"]

@@ -1,9 +1,14 @@
-"""Why a daemon could not be reached: the hint in a :class:`DaemonUnavailable` message.
+"""Where the daemon listens, and why it gave no handshake there.
 
-ZeroMQ's ``connect`` never fails: it retries in the background, so an unreadable socket, a
-missing one and a stopped daemon all look alike (no answer). For an ``ipc://`` endpoint a
-plain unix-socket connect tells them apart by its errno, which is what a user needs to know:
-a permission problem is fixed by an administrator, not by starting the daemon.
+:func:`resolve_endpoint` picks the endpoint (an argument, ``$CACHED_SOCKET``, the default).
+:func:`explain_unreachable` is the hint in a :class:`DaemonUnavailable` message: ZeroMQ's
+``connect`` never fails (it retries in the background), so an unreadable socket, a missing
+one and a stopped daemon all look alike (no answer). For an ``ipc://`` endpoint a plain
+unix-socket connect tells them apart by its errno, which is what a user needs to know: a
+permission problem is fixed by an administrator, not by starting the daemon.
+
+The lowest floor of the receive layer: the transport, the loaders and ``cached diagnose``
+import it; it imports only the protocol's names.
 """
 
 from __future__ import annotations
@@ -14,9 +19,14 @@ import pwd
 import socket
 import stat
 
-from ..protocol import SOCKET_ENV
+from .protocol import DEFAULT_SOCKET, SOCKET_ENV
 
 _NOT_RUNNING = "is `cached serve` running?"
+
+
+def resolve_endpoint(socket: str | None) -> str:
+    """``socket`` if given, else ``$CACHED_SOCKET``, else the daemon's default endpoint."""
+    return socket or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
 
 
 def explain_unreachable(endpoint: str) -> str:
