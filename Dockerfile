@@ -33,8 +33,10 @@ WORKDIR /src
 # the dependency lists come from the two pyproject.toml files, read by the script.
 COPY client/pyproject.toml client/
 COPY client/cached_client client/cached_client
+COPY client/cached_wire client/cached_wire
 COPY pyproject.toml README.md ./
 COPY cached cached
+COPY cached_demo cached_demo
 COPY deploy/install-daemon.sh deploy/
 # The shared installer (also used by the systemd install): the daemon without torch.
 RUN python3 -m venv /opt/cached \

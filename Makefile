@@ -40,8 +40,8 @@ demo: $(STAMP)
 	$(VENV)/bin/cached demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check cached client tests bench deploy
-	$(VENV)/bin/ruff format --check cached client tests bench deploy
+	$(VENV)/bin/ruff check cached cached_demo client tests bench deploy
+	$(VENV)/bin/ruff format --check cached cached_demo client tests bench deploy
 
 types: $(STAMP)
 	$(VENV)/bin/mypy

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from cached_client.protocol import PROTOCOL_VERSION, decode, encode
+from cached_wire.protocol import PROTOCOL_VERSION, decode, encode
 
 from cached import weights
-from cached.demo.stack import DaemonProcess, write_config
+from cached_demo.stack import DaemonProcess, write_config
 
 
 def rss_mib(pid: int) -> float:

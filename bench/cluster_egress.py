@@ -66,8 +66,8 @@ def rank_main(rank: int, job: Job) -> None:
     import torch
     import torch.distributed as dist
     from cached_client import CachedDataset
-    from cached_client.protocol import Op
     from cached_client.transport import Connection
+    from cached_wire.protocol import Op
 
     nodes = len(next(iter(job.sockets.values())))
     world = nodes * job.local

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from cached.config import parse_size
-from cached.demo.stack import DaemonProcess, write_config
+from cached_demo.stack import DaemonProcess, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "bench" / "out"

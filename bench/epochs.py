@@ -52,7 +52,7 @@ if __package__ in (None, ""):
 
 from bench import common, shaping
 from cached.config import parse_size
-from cached.demo.stack import DaemonProcess, write_config
+from cached_demo.stack import DaemonProcess, write_config
 
 BUCKET = "bench-epochs"
 POLICIES = ("belady", "lru")

@@ -342,7 +342,7 @@ def upload(
     each size's exact object size in bytes."""
     import boto3
 
-    from cached.demo.tars import make_tar
+    from cached_demo.tars import make_tar
 
     client = boto3.client("s3", endpoint_url=endpoint)
     client.create_bucket(Bucket=BUCKET)
@@ -386,8 +386,8 @@ def run_daemon(
     ``native``: with ``[s3] native_fetch``; ``verify``: ``[s3] verify_checksum``;
     ``cpus``: its threads pinned to that many CPUs; ``checksum_head``: ``[s3]
     checksum_head``; ``store_pids``: the store's processes, whose CPU is read alike."""
-    from cached_client.protocol import Op
     from cached_client.transport import Connection
+    from cached_wire.protocol import Op
 
     s3 = {"native_fetch": native, "verify_checksum": verify, "checksum_head": checksum_head}
     # One download slot is kept for demand misses (D15): ``conc`` prefetches at once, as

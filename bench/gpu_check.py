@@ -62,7 +62,7 @@ if __package__ in (None, ""):
 
 from bench import common
 from cached.config import parse_size
-from cached.demo.tars import make_tar
+from cached_demo.tars import make_tar
 
 if TYPE_CHECKING:
     from cached_client import Batch
@@ -205,7 +205,7 @@ class Dataset:
 
 
 def write_dataset(directory: Path, spec: DataSpec) -> Dataset:
-    """Write the shards with :func:`cached.demo.tars.make_tar`, bytes from :func:`expected_x`."""
+    """Write the shards with :func:`cached_demo.tars.make_tar`, bytes from :func:`expected_x`."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for shard in range(spec.shards):

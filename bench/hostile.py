@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import zmq
-from cached_client.protocol import PROTOCOL_VERSION, Op, decode, encode
+from cached_wire.protocol import PROTOCOL_VERSION, Op, decode, encode
 
 # The oversized client's frame, and how often it opens a connection to send one.
 OVERSIZED_BYTES = 256 << 20

@@ -55,21 +55,21 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cached_client import jobs, placement, resume, transport
-from cached_client.catalog import Catalog
 from cached_client.partition import Part
-from cached_client.protocol import Header, Op, decode, encode
 from cached_client.reader import announce
 from cached_client.transport import Connection
-from cached_client.urls import check_all
+from cached_wire.catalog import Catalog
+from cached_wire.protocol import Header, Op, decode, encode
+from cached_wire.urls import check_all
 
 from bench import common
 from bench.bounds_rss import rss_mib, storeless_daemon
 from cached.access import Access
 from cached.datasets import Datasets, checked, resolve
-from cached.demo.stack import DaemonProcess
 from cached.planner import Planner, prepare
 from cached.server.checks import MAX_REQUEST_DEPTH
 from cached.server.plans import checked_plan
+from cached_demo.stack import DaemonProcess
 
 URL_TEMPLATE = "s3://training-data/imagenet/train/shard-{:06d}.tar"
 SEED = 0

@@ -73,7 +73,7 @@ from torch import nn
 from bench import common, shaping
 from bench import epochs as bench_epochs
 from bench.peers_systems import base
-from cached.demo.tars import make_tar
+from cached_demo.tars import make_tar
 
 BUCKET = "bench-seed"
 PREFIX = "mnist"

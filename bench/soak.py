@@ -86,8 +86,8 @@ if __package__ in (None, ""):
 
 from bench import common, hostile
 from cached.config import parse_size
-from cached.demo.stack import DaemonProcess, s3_endpoint, write_config
-from cached.demo.tars import make_tar
+from cached_demo.stack import DaemonProcess, s3_endpoint, write_config
+from cached_demo.tars import make_tar
 
 BUCKET = "soak"
 PREFIX = "train"

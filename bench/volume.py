@@ -59,7 +59,7 @@ from bench import common, stores
 from bench.cache_sim import misses_by_epoch
 from cached.config import load
 from cached.daemon import Daemon
-from cached.demo.stack import daemon_in_thread
+from cached_demo.stack import daemon_in_thread
 
 # (time, "fetch" | "read", url, bytes): the daemon's fetches (bytes fetched) and pins (a
 # reader's lease on the shard; bytes held), in order.

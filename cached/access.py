@@ -38,8 +38,8 @@ import time
 from collections.abc import Iterable, Sequence
 from itertools import compress, repeat
 
-from cached_client.protocol import ErrorCode
-from cached_client.urls import ShardURL, parse
+from cached_wire.protocol import ErrorCode
+from cached_wire.urls import ShardURL, parse
 
 from .errors import CachedError
 

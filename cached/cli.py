@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cached_client.errors import CachedClientError
-from cached_client.protocol import SOCKET_ENV, Op
+from cached_wire.protocol import SOCKET_ENV, Op
 
 from . import __version__, logs
 from .config import Config, format_size, load
@@ -164,7 +164,7 @@ def _run(args: argparse.Namespace) -> int:
             budget_s=args.budget,
         )
     if args.command == "demo":
-        from .demo import main as demo_main
+        from cached_demo import main as demo_main
 
         return demo_main(
             epochs=args.epochs,
@@ -288,7 +288,7 @@ def _duration(seconds: float) -> str:
 
 def _prefetch(socket: str, patterns: list[str]) -> int:
     from cached_client.transport import Connection
-    from cached_client.urls import expand_all
+    from cached_wire.urls import expand_all
     from tqdm import tqdm
 
     urls = expand_all(patterns)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cached_client import units
-from cached_client.protocol import DEFAULT_SOCKET
+from cached_wire import units
+from cached_wire.protocol import DEFAULT_SOCKET
 
 from .errors import ConfigError
 

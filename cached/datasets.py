@@ -1,7 +1,7 @@
 """The datasets clients told the daemon: URL lists that compact plans name by position
 (issue 24, item 5; docs/protocol.md, "Datasets").
 
-A dataset is named by the digest of its URLs (``cached_client.catalog.catalog_id``), which
+A dataset is named by the digest of its URLs (``cached_wire.catalog.catalog_id``), which
 the daemon checks, so no client can make a name stand for URLs it did not send. Datasets
 are held per user (cached/owners.py): one copy serves every job of the user that told it,
 and another user's plans can name only the datasets that user told, so each user's lists
@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cached_client.catalog import catalog_id, decode_index
-from cached_client.urls import check_all
+from cached_wire.catalog import catalog_id, decode_index
+from cached_wire.urls import check_all
 
 from .errors import UnknownDataset
 from .owners import scoped
@@ -52,7 +52,7 @@ def checked(dataset_id: str, urls: list[object]) -> Dataset:
     if catalog_id(strings) != dataset_id:
         raise ValueError(
             f"dataset {dataset_id!r} is not the digest of the URLs sent "
-            "(cached_client.catalog.catalog_id)"
+            "(cached_wire.catalog.catalog_id)"
         )
     return Dataset(dataset_id, strings, 0.0)
 

@@ -3,8 +3,8 @@ each resembles so that callers can catch either. Messages say what to do next.""
 
 from __future__ import annotations
 
-from cached_client.protocol import ErrorCode
-from cached_client.protocol import ProtocolError as _WireProtocolError
+from cached_wire.protocol import ErrorCode
+from cached_wire.protocol import ProtocolError as _WireProtocolError
 
 
 class CachedError(Exception):

@@ -3,18 +3,17 @@ read's layout as one packed frame (docs/protocol.md, "Local reads"; D34, D41).
 
 A local reader reads the members from the shard file itself, so its reply carries, per
 member, the extension, size, offset and checksum, and no payload. That layout is the
-only one local replies have: the compiled reader (``_gather.c`` ``layout_packed``) and
-the Python one (``cached_client.layouts.unpacked``) both take it. A whole shard's layout
-is made once and kept with its index, for a few extension lists.
+only one local replies have; its codec is ``cached_wire.layouts`` (``pack``, and the
+Python reader's ``unpacked``; the compiled reader is ``_gather.c`` ``layout_packed``).
+A whole shard's layout is made once and kept with its index, for a few extension lists.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cached_client.protocol import PACKED_MEMBER
+from cached_wire.layouts import pack as wire_pack
 
 from .tiers.index import Member, Sample, ShardIndex
 
@@ -60,21 +59,5 @@ def packed_layout(
 def pack(samples: Sequence[Sample], wanted: frozenset[str] | None) -> tuple[Packed, int]:
     """The packed layout of ``samples`` (their members in ``wanted``) and their payload
     bytes."""
-    exts: dict[str, int] = {}
-    first, key_start = [0], [0]
-    records: list[bytes] = []
-    keys = bytearray()
-    nbytes = 0
-    for sample in samples:
-        members = chosen(sample, wanted)
-        for m in members:
-            e = exts.setdefault(m.ext, len(exts))
-            has = m.checksum is not None
-            records.append(PACKED_MEMBER.pack(e, int(has), m.size, m.offset, m.checksum or 0))
-            nbytes += m.size
-        first.append(first[-1] + len(members))
-        keys += sample.key.encode()
-        key_start.append(len(keys))
-    count = len(first) - 1
-    tables = struct.pack(f"<II{count + 1}I{count + 1}I", count, first[-1], *first, *key_start)
-    return Packed(b"".join((tables, *records, bytes(keys))), list(exts)), nbytes
+    frame, exts, nbytes = wire_pack((sample.key, chosen(sample, wanted)) for sample in samples)
+    return Packed(frame, exts), nbytes

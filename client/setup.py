@@ -1,5 +1,5 @@
 """The client's compiled parts: ``cached_client._gather`` (FastLoader's local reads in C,
-docs/decisions.md D32) and ``cached_client._tarscan`` (the daemon's one-pass tar index and
+docs/decisions.md D32) and ``cached_wire._tarscan`` (the daemon's one-pass tar index and
 checksums of a downloaded shard file, cached/tiers/scan.py). ``optional``: where they cannot
 be built (no C compiler), the install still succeeds and the same work is done in Python."""
 
@@ -17,13 +17,13 @@ if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
 setup(
     ext_modules=[
         Extension(
-            f"cached_client.{name}",
+            f"{package}.{name}",
             [f"csrc/{name}.c", *dispatch],
             include_dirs=["csrc/xxhash"],
             define_macros=macros,
             extra_compile_args=["-O3"],
             optional=True,
         )
-        for name in ("_gather", "_tarscan")
+        for package, name in (("cached_client", "_gather"), ("cached_wire", "_tarscan"))
     ]
 )

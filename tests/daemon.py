@@ -16,8 +16,8 @@ import pytest
 
 from cached.config import Config, load
 from cached.daemon import Daemon
-from cached.demo.stack import DaemonProcess, daemon_in_thread, write_config
-from cached.demo.tars import make_tar
+from cached_demo.stack import DaemonProcess, daemon_in_thread, write_config
+from cached_demo.tars import make_tar
 
 
 def isolate_env(mp: pytest.MonkeyPatch) -> None:

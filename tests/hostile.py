@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from cached_client.protocol import decode, encode
+from cached_wire.protocol import decode, encode
 
 from tests.daemon import serve_config
 from tests.test_socket_access import NOBODY
@@ -135,7 +135,7 @@ HOSTILE = f"uid {NOBODY}"
 # came back within 1 s), "_disconnect" closes the connection. EOF ends it.
 OTHER_USER = """
 import json, os, sys, time, zmq
-from cached_client.protocol import decode, encode
+from cached_wire.protocol import decode, encode
 ctx, socks, n = zmq.Context(), {}, 0
 def sock_for(name):
     if name not in socks:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from cached_client.protocol import PROTOCOL_VERSION, Header, decode, encode
+from cached_wire.protocol import PROTOCOL_VERSION, Header, decode, encode
 
 # Given a request header, the frames to send back (header frame first); None: no answer.
 Script = Callable[[Header], list[bytes] | None]

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from cached_client import FastLoader
 from cached_client.jobs import JobReporter
-from cached_client.protocol import ErrorCode
+from cached_wire.protocol import ErrorCode
 from prometheus_client.parser import text_string_to_metric_families
 
 from cached import errors

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from cached_client import CachedDataset
 from cached_client.errors import CachedClientError, Forbidden, ShardNotFound
-from cached_client.protocol import ErrorCode
 from cached_client.transport import Connection
+from cached_wire.protocol import ErrorCode
 
 from cached.access import Access
 from cached.access import Forbidden as DaemonForbidden

@@ -21,8 +21,8 @@ import pytest
 import zmq
 from cached_client.errors import RemoteError
 from cached_client.local import MAX_OPEN_FILES
-from cached_client.protocol import PROTOCOL_VERSION
 from cached_client.transport import Connection
+from cached_wire.protocol import PROTOCOL_VERSION
 
 from cached.server import Server
 from tests.daemon import (

@@ -24,10 +24,10 @@ from cached_client import (
     UsageError,
     VersionMismatch,
 )
-from cached_client import protocol as wire
 from cached_client.device import require_device
-from cached_client.protocol import Header, encode
 from cached_client.transport import Connection
+from cached_wire import protocol as wire
+from cached_wire.protocol import Header, encode
 from torch.utils.data import DataLoader
 
 from tests.daemon import daemon_config, make_tar, thread_daemon

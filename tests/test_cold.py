@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from aiobotocore.session import AioSession
-from cached_client.protocol import ErrorCode
+from cached_wire.protocol import ErrorCode
 
 from cached.config import ColdConfig, S3Config, load
 from cached.errors import ConfigError, FetchError, ObjectArchived, ObjectNotFound

@@ -12,9 +12,9 @@ import pytest
 import zmq
 from cached_client import CachedDataset
 from cached_client.errors import RemoteError, VersionMismatch
-from cached_client.protocol import ErrorCode, decode, encode
 from cached_client.reader import read_shard
 from cached_client.transport import Connection
+from cached_wire.protocol import ErrorCode, decode, encode
 
 from cached.config import Config
 from tests.daemon import (

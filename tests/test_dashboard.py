@@ -3,7 +3,7 @@ served a real reader, its numbers checked against ``/status``; and ``/history``.
 
 Real parts: moto S3 behind a rate-shaping proxy (so the reader waits on the store), a
 daemon in a thread, a CachedDataset read through a DataLoader with a StallMeter (so a job
-reports), Debian's ``chromium`` driven over the DevTools protocol (cached/browser.py).
+reports), Debian's ``chromium`` driven over the DevTools protocol (cached_demo/browser.py).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from cached_client import CachedDataset
 from cached_client.device import StallMeter
 from torch.utils.data import DataLoader
 
-from cached.browser import find_chromium, headless
 from cached.config import format_size
 from cached.history import History, sample_of
 from cached.http import DASHBOARD_FILES
+from cached_demo.browser import find_chromium, headless
 from tests.daemon import daemon_config, dataset_shards, thread_daemon
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 from cached_client import CachedDataset
-from cached_client.catalog import Catalog, catalog_id, decode_index, encode_index
 from cached_client.errors import RemoteError
-from cached_client.protocol import Op, encode
 from cached_client.reader import announce
 from cached_client.transport import Connection
+from cached_wire.catalog import Catalog, catalog_id, decode_index, encode_index
+from cached_wire.protocol import Op, encode
 
 from bench.bounds_rss import storeless_daemon
 from cached.datasets import key as dataset_key

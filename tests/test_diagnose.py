@@ -26,10 +26,10 @@ from cached_client.diagnose.model import BOTTLENECKS, Inputs, epoch, predict
 from cached_client.diagnose.report import render, report
 from cached_client.diagnose.store import Open, classify
 from cached_client.transport import Connection
-from cached_client.units import format_size
+from cached_wire.units import format_size
 from torch.utils.data import DataLoader
 
-from cached.demo import decode_sample, make_shard
+from cached_demo import decode_sample, make_shard
 from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, serve_config, thread_daemon
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server
@@ -144,7 +144,7 @@ def test_a_healthy_setup_is_diagnosed_none(
 def test_the_prediction_matches_a_real_training_run_on_the_demo_dataset(
     s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
-    """The demo's dataset (16 shards x 256 images, cached.demo.make_shard) behind a 3 MB/s store,
+    """The demo's dataset (16 shards x 256 images, cached_demo.make_shard) behind a 3 MB/s store,
     a cold cache, 2 workers, the demo's decode, batch 64, a 20 ms step: diagnose, then
     train one epoch (a loop that sleeps the step per batch) and compare the wait."""
     for i in range(16):
@@ -156,7 +156,7 @@ def test_the_prediction_matches_a_real_training_run_on_the_demo_dataset(
         with ProcessDaemon(config, socket):
             done = diagnose(
                 "--socket", socket, urls, "--workers", "2", "--batch-size", "64",
-                "--step-ms", "20", "--decode", "cached.demo:decode_sample", "--budget", "15",
+                "--step-ms", "20", "--decode", "cached_demo:decode_sample", "--budget", "15",
                 "--json",
             )  # fmt: skip
             assert done.returncode == 0, done.stderr
@@ -323,8 +323,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert bad_url.returncode == 2 and "bad shard URL" in one_line(bad_url)
     for spec, says in (
         ("nomodule_here:decode", "cannot import nomodule_here"),
-        ("cached.demo:no_such_function", "has no no_such_function"),
-        ("cached.demo", "expected MODULE:FUNC"),
+        ("cached_demo:no_such_function", "has no no_such_function"),
+        ("cached_demo", "expected MODULE:FUNC"),
     ):
         bad_decode = diagnose("--socket", socket, "s3://b/a.tar", "--decode", spec)
         assert bad_decode.returncode == 2 and says in one_line(bad_decode)

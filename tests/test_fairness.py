@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import zmq
 from cached_client.errors import LimitExceeded, RequestTooLarge, remote_error
-from cached_client.protocol import PROTOCOL_VERSION, decode, encode
 from cached_client.transport import Connection
+from cached_wire.protocol import PROTOCOL_VERSION, decode, encode
 
 from cached.server import loop as server_module
 from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, thread_daemon
@@ -396,7 +396,7 @@ def test_readyz_says_not_ready_while_no_request_slot_frees(
 
 FLOOD = """
 import sys, time, zmq
-from cached_client.protocol import encode
+from cached_wire.protocol import encode
 ctx = zmq.Context()
 sock = ctx.socket(zmq.DEALER)
 sock.setsockopt(zmq.LINGER, 0)

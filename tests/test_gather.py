@@ -20,10 +20,10 @@ import xxhash
 from cached_client import local
 from cached_client.buffers import Slot
 from cached_client.filling import Filling as _Filling
-from cached_client.layouts import PackedRows
 from cached_client.local import LocalFiles, LocalUnavailable
+from cached_wire.layouts import PackedRows
 
-from cached.demo.tars import make_tar
+from cached_demo.tars import make_tar
 from tests.layouts import local_read, packed
 
 RUN_BYTES = 256 << 10  # _gather.c: a run ends once it holds this many bytes

@@ -31,7 +31,7 @@ from cached_client.reader import read_shard
 from cached_client.transport import Connection
 from torch.utils.data import DataLoader
 
-from cached.demo.tars import make_tar
+from cached_demo.tars import make_tar
 from tests.daemon import daemon_config, dataset_shards, thread_daemon
 from tests.s3server import S3Server
 from tests.test_daemon import upload

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from cached_client.protocol import ErrorCode, ProtocolError, decode, encode
+from cached_wire.protocol import ErrorCode, ProtocolError, decode, encode
 
 from tests.daemon import ProcessDaemon, serve_config
 

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from cached.demo.tars import make_tar
 from cached.errors import CacheFull
 from cached.planner import Planner
 from cached.policy import BeladyPolicy, EvictionPolicy, LRUPolicy
@@ -29,6 +28,7 @@ from cached.tiers.hot import (
     reservation_bytes,
 )
 from cached.tiers.verify import ALGORITHM
+from cached_demo.tars import make_tar
 
 BODY = make_tar([(f"s{i}", {"bin": bytes([i]) * 1000}) for i in range(4)])
 NEED = reservation_bytes(len(BODY))

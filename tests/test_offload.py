@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import zmq
-from cached_client.protocol import PROTOCOL_VERSION, decode, encode
+from cached_wire.protocol import PROTOCOL_VERSION, decode, encode
 
 from cached.offload import Offload
 from tests.daemon import ProcessDaemon, write_config

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from cached_client.protocol import PROTOCOL_VERSION
+from cached_wire.protocol import PROTOCOL_VERSION
 
 from tests.daemon import ProcessDaemon, dataset_shards, serve_config
 from tests.faultproxy import FaultProxy

@@ -22,7 +22,7 @@ import torch
 from cached_client import CachedDataset, FastLoader
 from cached_client.errors import UsageError
 from cached_client.transport import Connection
-from cached_client.urls import expand_all
+from cached_wire.urls import expand_all
 
 from cached.config import load
 from cached.errors import ConfigError

@@ -66,7 +66,6 @@ from cached_client import FastLoader
 from cached_client import local as local_module
 from cached_client.errors import ProtocolError
 from cached_client.filling import Filling as _Filling
-from cached_client.layouts import BYTES_MAX, MALFORMED, PackedRows, check_rows, unpacked
 from cached_client.local import (
     MAX_GAP,
     LocalFiles,
@@ -75,9 +74,10 @@ from cached_client.local import (
     laid_out,
     plan_places,
 )
-from cached_client.protocol import PACKED_MEMBER
+from cached_wire.layouts import BYTES_MAX, MALFORMED, PackedRows, check_rows, unpacked
+from cached_wire.protocol import PACKED_MEMBER
 
-from cached.demo.tars import make_tar
+from cached_demo.tars import make_tar
 from tests.daemon import daemon_config, thread_daemon
 from tests.layouts import local_reply, no_socket, packed
 from tests.s3server import S3Server

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 from cached_client.errors import CachedClientError
-from cached_client.protocol import Op
 from cached_client.transport import Connection
+from cached_wire.protocol import Op
 
 from tests.daemon import ThreadDaemon, daemon_config, thread_daemon
 from tests.faultproxy import FaultProxy

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import zmq
-from cached_client.protocol import decode, encode
 from cached_client.transport import Connection
+from cached_wire.protocol import decode, encode
 
 from cached import prefetcher
 from cached.policy import LRUPolicy

@@ -608,7 +608,7 @@ async def test_a_key_longer_than_s3_allows_is_refused_before_any_request(
     direct: S3Source, s3_server: S3Server, bucket: str
 ) -> None:
     # Keys past 1,024 bytes: RGW would answer 400 InvalidObjectName, moto "no such key";
-    # the source names the limit without asking (cached_client.urls.MAX_KEY_BYTES).
+    # the source names the limit without asking (cached_wire.urls.MAX_KEY_BYTES).
     s3_server.reset_counts()
     with pytest.raises(FetchError, match="a key of at most 1024 bytes"):
         await direct.open(f"s3://{bucket}/{'k' * 1100}")

@@ -21,13 +21,13 @@ from cached_client.reader import read_shard
 from cached_client.transport import Connection
 from torch.utils.data import DataLoader
 
-from cached.demo.tars import make_tar
 from cached.fetcher import Fetcher
 from cached.metrics import Metrics
 from cached.policy import LRUPolicy
 from cached.sources import s3 as s3_module
 from cached.sources.chain import TierChain
 from cached.tiers.hot import HotTier, Shard, ShardWriter
+from cached_demo.tars import make_tar
 from tests.daemon import daemon_config, dataset_shards, thread_daemon
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server

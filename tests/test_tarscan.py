@@ -1,5 +1,5 @@
 """One specification of a shard file's index and checksums, held by both ways of building
-them after the download: the compiled scan (``cached_client._tarscan``, through
+them after the download: the compiled scan (``cached_wire._tarscan``, through
 ``cached.tiers.scan.index_file``) and the streaming path's own code (``TarIndexer`` fed
 the whole file, ``StreamSums`` over it), which is the specification.
 
@@ -437,7 +437,7 @@ def check(tmp_path: Path, cases_: Iterator[Case]) -> Counter[tuple[str, str]]:
 
 
 def test_the_compiled_scan_meets_the_specification(tmp_path: Path) -> None:
-    pytest.importorskip("cached_client._tarscan")
+    pytest.importorskip("cached_wire._tarscan")
     assert scan.COMPILED
     ways = check(tmp_path, cases(seed=7, n=240))
     print(dict(ways))  # how often each way was taken (pytest -s)

@@ -24,13 +24,13 @@ from cached_client.transport import Connection
 from torch.utils.data import DataLoader
 
 from bench.cache_sim import offline_min
-from cached.demo.tars import make_tar
 from cached.errors import CacheFull
 from cached.fetcher import DEMAND, PREFETCH, PrioritySlots
 from cached.policy import LRUPolicy
 from cached.slots import Held
 from cached.sources.base import ObjectInfo
 from cached.tiers.hot import HotTier, reservation_bytes
+from cached_demo.tars import make_tar
 from tests.daemon import (
     ProcessDaemon,
     daemon_config,

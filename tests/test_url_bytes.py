@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cached_client.catalog import catalog_id
-from cached_client.urls import MAX_KEY_BYTES
+from cached_wire.catalog import catalog_id
+from cached_wire.urls import MAX_KEY_BYTES
 
 from tests.daemon import ProcessDaemon, dataset_shards
 from tests.faultproxy import FaultProxy

@@ -15,8 +15,8 @@ import pytest
 import zmq
 from cached_client import FastLoader
 from cached_client.errors import RemoteError
-from cached_client.protocol import decode, encode
 from cached_client.transport import Connection
+from cached_wire.protocol import decode, encode
 
 import cached.server.dispatch
 from tests.daemon import ThreadDaemon, daemon_config, dataset_shards, thread_daemon

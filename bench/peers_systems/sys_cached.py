@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.peers_systems import base
-from cached.demo.stack import DaemonProcess, write_config
+from cached_demo.stack import DaemonProcess, write_config
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
-from cached_client.protocol import PROTOCOL_VERSION, Op, encode
+from cached_wire.protocol import PROTOCOL_VERSION, Op, encode
 
 from .. import socketmode
 from ..admission import Admission

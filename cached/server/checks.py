@@ -8,9 +8,9 @@ import functools
 import re
 from typing import Any
 
-from cached_client.protocol import Header, Op, decode
-from cached_client.protocol import ProtocolError as WireProtocolError
-from cached_client.urls import parse
+from cached_wire.protocol import Header, Op, decode
+from cached_wire.protocol import ProtocolError as WireProtocolError
+from cached_wire.urls import parse
 
 from ..errors import ProtocolError
 

@@ -9,8 +9,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from cached_client.protocol import PROTOCOL_VERSION, ErrorCode, Header, Op, decode, encode, error
-from cached_client.protocol import ProtocolError as WireProtocolError
+from cached_wire.protocol import PROTOCOL_VERSION, ErrorCode, Header, Op, decode, encode, error
+from cached_wire.protocol import ProtocolError as WireProtocolError
 
 from .. import __version__
 from ..access import Access

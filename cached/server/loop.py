@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import zmq
-from cached_client.protocol import Op, decode
-from cached_client.protocol import ProtocolError as WireProtocolError
+from cached_wire.protocol import Op, decode
+from cached_wire.protocol import ProtocolError as WireProtocolError
 
 from ..access import DEFAULT_ALLOW, Access
 from ..admission import Admission, ConnectionCaps

@@ -10,8 +10,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from cached_client.protocol import Header
-from cached_client.urls import check_all
+from cached_wire.protocol import Header
+from cached_wire.urls import check_all
 
 from ..datasets import Dataset, checked, resolve
 from ..datasets import key as dataset_key

@@ -10,7 +10,7 @@ import functools
 import time
 from typing import Any
 
-from cached_client.protocol import Header
+from cached_wire.protocol import Header
 
 from ..errors import OutOfRange, ProtocolError
 from ..fetcher import AHEAD, DEMAND, PREFETCH, Fetcher, GaveWay, shard_id

@@ -14,7 +14,7 @@ import time
 from typing import Any, cast
 
 import zmq
-from cached_client.protocol import ErrorCode, encode, error
+from cached_wire.protocol import ErrorCode, encode, error
 
 from ..bounds import Bounds
 from ..errors import LimitExceeded

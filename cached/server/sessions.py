@@ -10,7 +10,7 @@ import logging
 import re
 from typing import Any, cast
 
-from cached_client.protocol import Header
+from cached_wire.protocol import Header
 
 from ..errors import ProtocolError
 from ..metrics import Metrics

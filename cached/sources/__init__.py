@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from aiobotocore.session import AioSession
-from cached_client.urls import parse
+from cached_wire.urls import parse
 
 from ..config import S3Config
 from ..errors import FetchError

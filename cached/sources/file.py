@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from cached_client.urls import parse
+from cached_wire.urls import parse
 
 from ..errors import FetchError, ObjectNotFound, VerifyError
 from .base import ObjectChanged, ObjectInfo, Opened, OwnsStack, Rewind, Sink

@@ -30,7 +30,7 @@ from aiobotocore.config import AioConfig
 from aiobotocore.httpsession import AIOHTTPSession
 from aiobotocore.session import AioSession
 from botocore import exceptions as boto_exc
-from cached_client.urls import ShardURL, parse
+from cached_wire.urls import ShardURL, parse
 
 from ..config import S3Config
 from ..errors import CachedError, FetchError, ObjectArchived, ObjectNotFound, VerifyError

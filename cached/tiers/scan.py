@@ -7,7 +7,7 @@ does it afterwards, while the file's pages are still in the page cache: the same
 :class:`~cached.tiers.writer.ShardFiles` builds from a stream, and the same
 NotATarError for bytes that are not a whole tar archive.
 
-The walk and the hashing are C (``cached_client._tarscan``, one call without the GIL);
+The walk and the hashing are C (``cached_wire._tarscan``, one call without the GIL);
 naming and grouping the members into samples is :class:`~.index.Grouper`, the
 streaming indexer's own code. Where the C code meets a header it does not model exactly
 (odd number fields or pax records), or where it is not built, the streaming indexer
@@ -32,7 +32,7 @@ from .verify import ALGORITHM, StreamSums
 
 def _load() -> Any:
     try:
-        return importlib.import_module("cached_client._tarscan")
+        return importlib.import_module("cached_wire._tarscan")
     except ImportError:  # built without a C compiler: the same work in Python
         return None
 

@@ -6,7 +6,7 @@
 - :class:`CachedClientError`: the base of every error the client raises.
 
 Importing the package is cheap: torch is loaded only when one of these is first used, so
-the daemon (which shares :mod:`cached_client.protocol`) never imports torch.
+the daemon (which shares :mod:`cached_wire.protocol`) never imports torch.
 """
 
 from __future__ import annotations

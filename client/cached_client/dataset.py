@@ -11,18 +11,18 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from cached_wire.catalog import Catalog
+from cached_wire.urls import expand_all
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import elastic, jobs, partition, resume
 from . import placement as placement_module
-from .catalog import Catalog
 from .dataset_pass import EpochPass, Sample
 from .endpoint import resolve_endpoint
 from .local import choose
 from .reader import RawSample, announce, pipelined_reads, raw_samples, shard_lengths
 from .resume import Ref
 from .transport import Connection
-from .urls import expand_all
 
 # The process (by pid) whose objects from before its first iteration were frozen.
 _frozen_pid = 0

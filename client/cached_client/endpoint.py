@@ -19,7 +19,7 @@ import pwd
 import socket
 import stat
 
-from .protocol import DEFAULT_SOCKET, SOCKET_ENV
+from cached_wire.protocol import DEFAULT_SOCKET, SOCKET_ENV
 
 _NOT_RUNNING = "is `cached serve` running?"
 

@@ -12,16 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from . import protocol
-from .protocol import ErrorCode
-
-
-class CachedClientError(Exception):
-    """Base of the client's errors."""
-
-
-class UsageError(CachedClientError, ValueError):
-    """An argument the client cannot work with (a bad URL, rank, batch size or view)."""
+# The wire's parsers raise these three, so they live there (cached_wire/errors.py).
+# Re-exported as they are (the "as" form marks a re-export for mypy's strict mode).
+from cached_wire.errors import CachedClientError as CachedClientError  # noqa: PLC0414
+from cached_wire.errors import ProtocolError as ProtocolError  # noqa: PLC0414
+from cached_wire.errors import UsageError as UsageError  # noqa: PLC0414
+from cached_wire.protocol import ErrorCode
 
 
 class DaemonUnavailable(CachedClientError, ConnectionError):
@@ -30,11 +26,6 @@ class DaemonUnavailable(CachedClientError, ConnectionError):
 
 class DaemonTimeout(CachedClientError, TimeoutError):
     """The daemon is alive but did not answer a request in time."""
-
-
-class ProtocolError(CachedClientError, protocol.ProtocolError):
-    """The daemon sent something that does not follow the protocol (a bad header, a
-    payload frame of the wrong size or a missing one)."""
 
 
 class DeviceUnavailable(CachedClientError, RuntimeError):

@@ -21,13 +21,14 @@ from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from cached_wire.catalog import Catalog
+from cached_wire.urls import expand_all
 
 from . import elastic, jobs, partition, resume
 from . import local as local_module
 from . import placement as placement_module
 from .accelerator import require_device, with_index
 from .buffers import Batch, Ring, Slot, pinned_memory_available
-from .catalog import Catalog
 from .device import CopyStream
 from .endpoint import resolve_endpoint
 from .errors import UsageError
@@ -36,7 +37,6 @@ from .local import choose
 from .reader import announce, pipelined_reads, shard_lengths
 from .resume import Position
 from .transport import Connection
-from .urls import expand_all
 
 __all__ = ["Batch", "FastLoader"]
 

@@ -5,7 +5,7 @@ received in one call, and the sizes checked against the layout.
 A socket reply's members are received in place from the socket; a local reply's are read
 from the shard file, by the compiled reader where it is built (one call lays them out,
 one reads and checks them: D32), else in Python after refusing what the compiled one
-refuses (:func:`~cached_client.layouts.check_rows`).
+refuses (:func:`~cached_wire.layouts.check_rows`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from cached_wire.layouts import PackedRows, check_rows
+
 from .buffers import Batch, Slot
 from .errors import ProtocolError
-from .layouts import PackedRows, check_rows
 from .local import LocalRead, laid_out, plan_places
 from .resume import Ref
 from .transport import Reply

@@ -25,8 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
-
-from .protocol import Header, Op, decode, encode
+from cached_wire.protocol import Header, Op, decode, encode
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import zmq
+from cached_wire.protocol import Op, decode, encode
 
 from .errors import UsageError
-from .protocol import Op, decode, encode
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ from types import ModuleType
 from typing import Any
 
 import xxhash
+from cached_wire.layouts import BYTES_MAX, MALFORMED, PackedRows, spans, unpacked
+from cached_wire.protocol import Header
 
 from .errors import ProtocolError, UsageError
-from .layouts import BYTES_MAX, MALFORMED, PackedRows, spans, unpacked
 from .local_files import MAX_GAP, MAX_OPEN_FILES, LocalFiles, LocalUnavailable
-from .protocol import Header
 
 # The daemon's member checksums (cached/tiers/verify.py), by the name its replies give;
 # a reply naming another is read unchecked.

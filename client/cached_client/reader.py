@@ -8,10 +8,10 @@ from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 
 import zmq
+from cached_wire.catalog import Catalog
+from cached_wire.protocol import ErrorCode, Header, Op
 
-from .catalog import Catalog
 from .errors import RemoteError
-from .protocol import ErrorCode, Header, Op
 from .transport import Connection
 
 # One read request asks for about this many payload bytes: large enough to amortize the

@@ -1,5 +1,5 @@
 /*
- * cached_client._tarscan: the tar index and checksums of a downloaded shard file, in C.
+ * cached_wire._tarscan: the tar index and checksums of a downloaded shard file, in C.
  *
  * The native fetch path writes a whole shard into a file with no Python per byte; this
  * builds what the streaming path builds while the bytes arrive (cached/tiers/index.py
@@ -497,7 +497,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "cached_client._tarscan",
+    PyModuleDef_HEAD_INIT, "cached_wire._tarscan",
     "A downloaded shard's tar index and checksums in one pass, in C (cached/tiers/scan.py).",
     -1, methods,
 };

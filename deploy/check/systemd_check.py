@@ -51,7 +51,7 @@ def _write_json(path: Path, value: object) -> None:
 def serve_s3(out: Path) -> None:
     repo = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(repo))  # tests.s3server: moto with a request counter
-    from cached.demo.tars import make_tar
+    from cached_demo.tars import make_tar
     from tests.s3server import S3Server
 
     stop = threading.Event()

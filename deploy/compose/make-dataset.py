@@ -2,7 +2,7 @@
 shards of small synthetic images into it, then exits.
 
 Runs in the daemon's image (cached:0.1.0), which has everything it needs: botocore (a
-dependency of aiobotocore), numpy, and ``cached.demo.make_shard``. It speaks the plain S3
+dependency of aiobotocore), numpy, and ``cached_demo.make_shard``. It speaks the plain S3
 API, so it works against any S3-compatible server, not MinIO alone.
 
 Idempotent: the shards are deterministic (fixed seeds) and a shard that is already there
@@ -27,7 +27,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 # The demo's synthetic images: a fixed pattern per class plus noise (learnable, deterministic).
-from cached.demo import make_shard
+from cached_demo import make_shard
 
 
 def s3_client(endpoint: str) -> Any:

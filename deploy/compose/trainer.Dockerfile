@@ -23,6 +23,7 @@ WORKDIR /src
 COPY client/pyproject.toml client/setup.py client/MANIFEST.in client/
 COPY client/csrc client/csrc
 COPY client/cached_client client/cached_client
+COPY client/cached_wire client/cached_wire
 # torch first and alone, so that TORCH_INDEX_URL applies to it; then the client, whose
 # other dependencies (pyzmq, numpy) come from the default index. The client's compiled
 # local reader (client/setup.py, D32) is optional: the slim base has no C compiler, so

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 from cached_client import CachedDataset
-from cached_client.protocol import Op
 from cached_client.transport import Connection, resolve_endpoint
+from cached_wire.protocol import Op
 from torch import nn
 from torch.utils.data import DataLoader
 

@@ -9,12 +9,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cached_wire.protocol import Op
+from cached_wire.units import format_size
+from cached_wire.urls import expand_all
+
 from ..errors import DaemonTimeout, UsageError
 from ..local import choose
-from ..protocol import Op
 from ..transport import Connection
-from ..units import format_size
-from ..urls import expand_all
 from .measurements import DEFAULT_CONCURRENCY, Measurements
 from .rates import Decode, decode_rate, disk_rate, fast_rate, loader_rate, read_samples, run_readers
 from .store import STORE_MAX_COLD, classify, probe, resident_files, store_rate

@@ -11,8 +11,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from cached_wire.units import format_ms, format_rate, format_size, format_us
+
 from ..errors import UsageError
-from ..units import format_ms, format_rate, format_size, format_us
 from .measurements import DEFAULT_CONCURRENCY, Measurements
 
 # The share of loop time waiting below which training is not input-bound.

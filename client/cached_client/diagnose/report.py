@@ -8,7 +8,8 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from ..units import format_ms, format_size, format_us
+from cached_wire.units import format_ms, format_size, format_us
+
 from .measurements import Measurements
 from .model import Inputs, Prediction, steady_store_share, store_share
 

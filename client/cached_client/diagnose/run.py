@@ -9,8 +9,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from cached_wire.urls import expand_all
+
 from ..errors import UsageError
-from ..urls import expand_all
 from .measure import measure
 from .model import Inputs, predict
 from .rates import Decode

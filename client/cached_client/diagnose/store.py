@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cached_wire.protocol import Op
+
 from ..errors import DaemonTimeout
-from ..protocol import Op
 from ..transport import Connection
 from .measurements import StoreRate
 

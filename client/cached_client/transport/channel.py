@@ -23,12 +23,12 @@ import time
 from typing import Any
 
 import zmq
+from cached_wire.protocol import PROTOCOL_VERSION, ErrorCode, Header, Op, encode
 
 from ..endpoint import explain_unreachable
 from ..errors import DaemonTimeout, DaemonUnavailable, ProtocolError, RemoteError, check_reply
 from ..heartbeat import Heartbeat
 from ..memory import tune_malloc
-from ..protocol import PROTOCOL_VERSION, ErrorCode, Header, Op, encode
 from .reply import Reply, decode
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,11 @@ import time
 from collections import OrderedDict
 
 import zmq
+from cached_wire.layouts import check_refetch, described
+from cached_wire.protocol import ErrorCode, Header, Op, encode
 
 from ..errors import LocalReadsUnavailable, RequestTooLarge, check_reply
-from ..layouts import check_refetch, described
 from ..local import LocalFiles, LocalRead, LocalUnavailable
-from ..protocol import ErrorCode, Header, Op, encode
 from .channel import Channel
 from .reply import Reply
 

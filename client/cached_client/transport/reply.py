@@ -13,11 +13,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import zmq
+from cached_wire import protocol
+from cached_wire.protocol import Header
 
-from .. import protocol
 from ..errors import ProtocolError
 from ..local import LocalRead, copy_frame
-from ..protocol import Header
 
 
 def decode(frame: bytes | memoryview) -> Header:

@@ -1,14 +1,15 @@
-"""A local reply's layout, as the client reads it: the packed frame the daemon makes
-(``cached/layouts.py``; docs/protocol.md, "Local reads"), its tables checked, decoded
-for the Python reader (:func:`unpacked`), and the specification's checks that both
-readers apply (tests/test_reader_spec.py). Bytes only: no file is read here.
+"""A local reply's layout, one packed frame (docs/protocol.md, "Local reads"; D34): made by
+the daemon (:func:`pack`, from its index: ``cached/layouts.py``), its tables checked and
+decoded for the client's Python reader (:func:`unpacked`; the compiled one is
+``_gather.c``), and the specification's checks that both readers apply
+(tests/test_reader_spec.py). Bytes only: no file is read here.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 from .errors import ProtocolError
 from .protocol import PACKED_MEMBER
@@ -22,6 +23,41 @@ BYTES_MAX = (1 << 63) - 1
 # How a layout that breaks the specification (tests/test_reader_spec.py) is refused, by
 # either reader: ProtocolError(f"{MALFORMED}: ...").
 MALFORMED = "a malformed local layout"
+
+
+class PackedMember(Protocol):
+    """What :func:`pack` reads of a member (the daemon's ``tiers.index.Member``)."""
+
+    @property
+    def ext(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def checksum(self) -> int | None: ...
+
+
+def pack(samples: Iterable[tuple[str, Sequence[PackedMember]]]) -> tuple[bytes, list[str], int]:
+    """The packed layout of ``samples`` (each its key and the members to read), the names
+    of the extensions its members refer to by index, and the members' payload bytes."""
+    exts: dict[str, int] = {}
+    first, key_start = [0], [0]
+    records: list[bytes] = []
+    keys = bytearray()
+    nbytes = 0
+    for key, members in samples:
+        for m in members:
+            e = exts.setdefault(m.ext, len(exts))
+            has = m.checksum is not None
+            records.append(PACKED_MEMBER.pack(e, int(has), m.size, m.offset, m.checksum or 0))
+            nbytes += m.size
+        first.append(first[-1] + len(members))
+        keys += key.encode()
+        key_start.append(len(keys))
+    count = len(first) - 1
+    tables = struct.pack(f"<II{count + 1}I{count + 1}I", count, first[-1], *first, *key_start)
+    return b"".join((tables, *records, bytes(keys))), list(exts), nbytes
 
 
 def spans(rows: list[Any], checked: bool) -> Any:

@@ -1,6 +1,5 @@
 """How sizes, rates and times read for people: the daemon's logs and status (``cached.config``
-imports :func:`format_size` from here: the daemon depends on the client, never the other
-way round) and ``cached diagnose``'s verdict and table."""
+imports :func:`format_size` from here) and ``cached diagnose``'s verdict and table."""
 
 from __future__ import annotations
 

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CachedError
+from cached.errors import CachedError
+
 from .tars import make_tar
 
 IMAGE_SHAPE = (3, 32, 32)
@@ -88,7 +89,7 @@ def _start_screenshot(http: str, path: Path) -> Callable[[], str]:
     """Save a PNG of the dashboard at ``http`` to ``path``, in a thread: the browser takes a
     second or two to start, and the training goes on meanwhile. Returns a function that
     waits for it and says how it went (printed after the epochs' table, not inside it)."""
-    from ..browser import capture
+    from .browser import capture
 
     # Rendered, with at least two history samples (so the charts have a line).
     ready = (
@@ -155,7 +156,8 @@ def main(
     require_demo_extras()
     screenshot = screenshot or os.environ.get(SCREENSHOT_ENV) or None
     shot = Path(screenshot).resolve() if screenshot else None
-    from ..config import format_size
+    from cached.config import format_size
+
     from .stack import DaemonProcess, s3_endpoint
 
     tmp = tempfile.TemporaryDirectory(prefix="cached-demo-") if workdir is None else None
@@ -211,7 +213,7 @@ def _train(socket: str, urls: str, epochs: int, workers: int, shot: Path | None)
     from torch import nn
     from torch.utils.data import DataLoader
 
-    from ..config import format_size
+    from cached.config import format_size
 
     dataset = CachedDataset(
         urls, socket=socket, shuffle=True, seed=0, decode=decode_sample, job="demo"

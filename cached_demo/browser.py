@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from .errors import CachedError
+from cached.errors import CachedError
 
 CHROMIUM_ENV = "CACHED_CHROMIUM"
 _CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from cached_client.errors import DaemonUnavailable
-from cached_client.protocol import Op
 from cached_client.transport import Connection
+from cached_wire.protocol import Op
 
 if TYPE_CHECKING:
-    from ..config import Config
-    from ..daemon import Daemon
+    from cached.config import Config
+    from cached.daemon import Daemon
 
 
 @contextlib.contextmanager
@@ -34,7 +34,7 @@ def daemon_in_thread(
     """A daemon on its own event loop in a background thread of this process (so that a
     test or a benchmark can look into it), and that loop; stopped (drained, closed) at
     the end. An error while it starts is raised here."""
-    from ..daemon import Daemon
+    from cached.daemon import Daemon
 
     started = threading.Event()
     holder: dict[str, Any] = {}
