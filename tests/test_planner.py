@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cached import config
+from cached import config_checks
 from cached.planner import DEFAULT_RATE, NOTIFY_INTERVAL_S, Planner
 from cached.policy import POLICIES, BeladyPolicy, make_policy
 
@@ -141,6 +141,6 @@ def test_lru_ignores_plans_and_admits_everything() -> None:
 
 
 def test_the_config_accepts_exactly_the_registered_policies() -> None:
-    assert set(config._POLICIES) == set(POLICIES)
+    assert set(config_checks._POLICIES) == set(POLICIES)
     with pytest.raises(KeyError, match="known: belady, lru"):
         make_policy("fifo")
