@@ -25,7 +25,7 @@ from cached.demo.tars import make_tar
 from cached.fetcher import Fetcher
 from cached.metrics import Metrics
 from cached.policy import LRUPolicy
-from cached.sources import s3 as s3_module
+from cached.sources import s3_native as s3_module
 from cached.sources.chain import TierChain
 from cached.tiers.hot import HotTier, Shard, ShardWriter
 from tests.daemon import daemon_config, dataset_shards, thread_daemon
