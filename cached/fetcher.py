@@ -19,25 +19,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import functools
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar, cast
 
+from .ahead import Opening, answered_soon, resident_soon
 from .errors import CachedError, CacheFull, FetchError
+from .landing import Landing, SourceLike, shard_id
 from .lookups import Lookups
 from .metrics import Metrics
 from .once import seen
 from .slots import DEMAND, PREFETCH, Held, PrioritySlots
-from .sources.base import ObjectChanged, ObjectInfo, Opened, Rewind, Sink
-from .sources.retry import StoreUnavailable
+from .sources.base import ObjectChanged, ObjectInfo
 from .tiers.checks import Checks
-from .tiers.hot import HotTier, NotAdmitted, Shard, ShardWriter
+from .tiers.hot import HotTier, NotAdmitted, Shard
 
 __all__ = [
     "AHEAD",
@@ -61,75 +57,15 @@ T = TypeVar("T")
 AHEAD = 2
 # How often a reader's open ahead that the eviction policy did not admit asks again.
 ADMISSION_RETRY_S = 0.05
-# How often a reader's open ahead looks whether the prefetcher started on its shard (or
-# on the GET that asks for its version).
-AHEAD_POLL_S = 0.25
 # Times an open follows an object replaced while it was being downloaded, before it
 # gives up (an object rewritten faster than it can be read).
 CHANGED_RETRIES = 3
-# Attempts of a download whose writes find the disk full (another program filled it):
-# each removes its partial file, evicts and GETs again.
-DISK_FULL_ATTEMPTS = 3
-# How long a GET that answered (its body held at the CRT for native.HOLD_S, 5 s, or a
-# botocore body on an open connection) waits for evicted files to leave the disk before
-# its body is dropped; the bytes then come with a new GET once there is room.
-HELD_UNLINK_WAIT_S = 1.0
-_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
-
-
-class SourceLike(Protocol):
-    """What the fetcher needs of the remote tiers (``cached.sources.chain.TierChain``)."""
-
-    @property
-    def revalidate_s(self) -> float: ...
-
-    async def head(self, url: str) -> ObjectInfo: ...
-
-    async def open(self, url: str, landing: Path | None = None) -> Opened: ...
-
-    async def fetch(
-        self,
-        info: ObjectInfo,
-        sink: Sink,
-        *,
-        rewind: Rewind | None = None,
-        opened: Opened | None = None,
-        into: Path | None = None,
-        landed: Callable[[], None] | None = None,
-    ) -> bool: ...
-
-    def promote_enabled(self, info: ObjectInfo) -> bool: ...
-
-    async def promote(self, info: ObjectInfo, path: Path) -> None: ...
 
 
 class GaveWay(Exception):
     """A reader's open ahead (asked to give way) found no room for its shard: the tier
     holds what the reader reads now. It is answered "not resident", and the reader asks
     again, as a demand, when it gets there (docs/protocol.md, ``give_way``)."""
-
-
-def shard_id(info: ObjectInfo) -> str:
-    """The content address of a shard: its endpoint, URL and version."""
-    return _content_address(info.endpoint, info.url, info.version)
-
-
-@functools.lru_cache(maxsize=1 << 14)  # every request asks: remembered, not rehashed
-def _content_address(endpoint: str, url: str, version: str) -> str:
-    ident = f"{endpoint}\0{url}\0{version}".encode()
-    return hashlib.sha256(ident).hexdigest()[:32]
-
-
-@dataclass
-class _Opening:
-    """A GET of a URL whose version is not known yet, shared by all who ask for the URL
-    meanwhile. ``info`` is set from its headers; its task then goes on to download the
-    shard from that body, unless the hot tier has it or another download brings it."""
-
-    # The most urgent asker's: the download slot and the reservation follow it.
-    priority: int
-    info: asyncio.Future[ObjectInfo]
-    task: asyncio.Task[Shard | None] | None = None
 
 
 class Fetcher:
@@ -160,9 +96,9 @@ class Fetcher:
             revalidate_s=sources.revalidate_s,
             on_answer=self._answered,
         )
+        self._landing = Landing(sources, hot, metrics, self.lookups)
         self._inflight: dict[str, asyncio.Task[Shard]] = {}
-        self._opening: dict[str, _Opening] = {}  # by URL
-        self._promotions: set[asyncio.Task[None]] = set()
+        self._opening: dict[str, Opening] = {}  # by URL
         metrics.store_reachable.set_function(lambda: float(self.lookups.health.reachable))
         hot.on_corrupt(lambda _shard, found: metrics.corrupt_shards.labels(found).inc())
         hot.on_wait(self._waited)
@@ -290,32 +226,15 @@ class Fetcher:
         if self.hot.latest(url) is not None or not self.lookups.health.reachable:
             return await self.lookups.get(url, revalidate=revalidate)
         if priority == AHEAD:
-            info = await self._answered_soon(url, deadline, revalidate=revalidate)
+            info = await answered_soon(
+                self.lookups, self._opening, self.hot, url, deadline, revalidate=revalidate
+            )
             if info is not None:
                 return info
             priority = DEMAND
         if give_way and not self.hot.room_now(self.typical_size_bytes() or 0):
             return await self.lookups.get(url, revalidate=revalidate)  # it will give way
         return await self._open(url, priority)
-
-    async def _answered_soon(
-        self, url: str, deadline: float, *, revalidate: bool
-    ) -> ObjectInfo | None:
-        """The store's answer about ``url`` once someone else's GET has it, or None at
-        ``deadline``. Sends nothing; raises what that GET raised (not found...)."""
-        while (left := deadline - time.monotonic()) > 0:
-            known = self.lookups.fresh(url, revalidate=revalidate)
-            if known is not None:
-                return known
-            opening = self._opening.get(url)
-            if opening is None:
-                await self.hot.changed(min(left, AHEAD_POLL_S))
-                continue
-            try:
-                return await asyncio.wait_for(asyncio.shield(opening.info), left)
-            except TimeoutError:
-                return None
-        return None
 
     async def _open(self, url: str, priority: int) -> ObjectInfo:
         """The object's description from the headers of a GET of it, which goes on to
@@ -331,9 +250,9 @@ class Fetcher:
             self._slots.promote(url, priority)
         return await asyncio.shield(opening.info)
 
-    def _start_opening(self, url: str, priority: int) -> _Opening:
+    def _start_opening(self, url: str, priority: int) -> Opening:
         loop = asyncio.get_running_loop()
-        opening = _Opening(priority, loop.create_future())
+        opening = Opening(priority, loop.create_future())
         opening.info.add_done_callback(seen)
         task = loop.create_task(self._fetch_opened(url, opening), name=f"fetch {url}")
         opening.task = task
@@ -358,7 +277,7 @@ class Fetcher:
         task.add_done_callback(settle)
         return opening
 
-    async def _fetch_opened(self, url: str, opening: _Opening) -> Shard | None:
+    async def _fetch_opened(self, url: str, opening: Opening) -> Shard | None:
         """An opening's task: a download slot, the GET, the answer its headers give;
         then the download from its body, unless the hot tier has that shard already or
         another download of it is under way (None: the body is closed unread)."""
@@ -382,7 +301,7 @@ class Fetcher:
                 opening.info.set_result(info)
                 if not claimed:
                     return None
-                return await self._download(sid, info, opening.priority, held, opened)
+                return await self._landing.download(sid, info, opening.priority, held, opened)
         finally:
             held.give_back()
 
@@ -434,7 +353,7 @@ class Fetcher:
             return shard, True
         if priority == AHEAD:
             left = deadline - time.monotonic()
-            shard = await self._usable(await self._resident_soon(sid, left))
+            shard = await self._usable(await resident_soon(self.hot, self._inflight, sid, left))
             if shard is not None:
                 return shard, False
             priority = DEMAND
@@ -466,23 +385,6 @@ class Fetcher:
             # publication and this waiter's turn is dropped: fetch it again.
             if self.hot.get(sid) is shard:
                 return shard, False
-
-    async def _resident_soon(self, sid: str, timeout_s: float) -> Shard | None:
-        """The shard once someone else brings it into the hot tier, or None after
-        ``timeout_s``. Starts no download."""
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            shard = self.hot.get(sid)
-            if shard is not None:
-                return shard
-            task = self._inflight.get(sid)
-            if task is not None and not task.done():
-                # Its failure (not admitted, not found) is for its own callers to see.
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(task), left)
-            else:
-                await self.hot.changed(min(left, AHEAD_POLL_S))
-        return None
 
     def fetching(self, url: str) -> bool:
         """Whether ``url`` is being fetched, at any version (or waits for a slot)."""
@@ -548,138 +450,9 @@ class Fetcher:
         await self._slot(priority, sid, info.url)
         held = Held(self._slots)
         try:
-            return await self._download(sid, info, priority, held)
+            return await self._landing.download(sid, info, priority, held)
         finally:
             held.give_back()
-
-    async def _download(
-        self, sid: str, info: ObjectInfo, priority: int, held: Held, opened: Opened | None = None
-    ) -> Shard:
-        """Reserve room for the shard and stream it in, from ``opened``'s body if given,
-        under the download slot ``held`` (see :meth:`_stream_in`); counted, logged, and
-        promoted from the cold tier if that is asked for."""
-        tier = info.tier
-        started = time.monotonic()
-        try:
-            shard = await self._stream_in(sid, info, priority, held, opened)
-        except CachedError as exc:
-            self.metrics.fetches.labels(tier, type(exc).__name__).inc()
-            # A shard that failed must be looked up again next time (it may be fixed).
-            self.lookups.forget(info.url)
-            if isinstance(exc, StoreUnavailable):
-                self.lookups.unreachable(exc, info.url)
-            if isinstance(exc, ObjectChanged):
-                log.info("%s changed while it was fetched: %s", info.url, exc)
-            else:
-                log.warning("fetch of %s failed: %s", info.url, exc)
-            raise
-        except OSError as exc:
-            self.metrics.fetches.labels(tier, "OSError").inc()
-            raise FetchError(f"writing {info.url} to the hot tier failed: {exc}") from exc
-        self.metrics.fetches.labels(tier, "ok").inc()
-        self.metrics.fetched_bytes.labels(tier).inc(info.size)
-        self.metrics.fetch_seconds.observe(time.monotonic() - started)
-        log.info(
-            "fetched %s from the %s tier (%d bytes) in %.2fs",
-            info.read_url,
-            tier,
-            info.size,
-            time.monotonic() - started,
-        )
-        if self.sources.promote_enabled(info):
-            self._promote(shard, info)
-        return shard
-
-    async def _stream_in(
-        self, sid: str, info: ObjectInfo, priority: int, held: Held, opened: Opened | None
-    ) -> Shard:
-        """Reserve room and stream the shard into the hot tier. A write that finds the
-        disk full (ENOSPC: the room the tier saw was taken meanwhile) removes its partial
-        file, evicts by the policy, and the download starts over with a new GET, up to
-        :data:`DISK_FULL_ATTEMPTS` in all.
-
-        The download slot ``held`` is given back once the bytes are in (before a check
-        over the file, the MD5 of an ETag, on the native path): that check, the index and
-        the publication are local work, and the next GET starts meanwhile (D48). The room
-        stays reserved until the shard is published."""
-        for attempt in range(1, DISK_FULL_ATTEMPTS + 1):
-            await held.take(priority, sid)  # a new GET after a full disk: a slot again
-            writer = await self._reserve(sid, info, priority, opened)
-
-            async def again(writer: ShardWriter = writer) -> None:
-                await held.take(priority, sid)  # a GET again after a failed check
-                await writer.rewind()
-
-            try:
-                wrote = await self.sources.fetch(
-                    info,
-                    writer.write,
-                    rewind=again,
-                    opened=opened,
-                    into=writer.path,
-                    landed=held.give_back,
-                )
-                held.give_back()
-                # wrote: the source wrote the file itself (the native path)
-                return await writer.publish(info.size if wrote else None)
-            except OSError as exc:
-                writer.abort()
-                if exc.errno not in _DISK_FULL or attempt == DISK_FULL_ATTEMPTS:
-                    raise
-                self.metrics.fetches.labels(info.tier, "disk_full").inc()
-                evicted = self.hot.disk_full(writer.shard.reserved_bytes)
-                log.warning(
-                    "the disk holding the hot tier was full while %s was written (%s); "
-                    "evicted %d bytes, fetching it again",
-                    info.url,
-                    exc.strerror,
-                    evicted,
-                )
-                opened = None  # its body is spent
-            except BaseException:
-                writer.abort()
-                raise
-        raise AssertionError("unreachable")
-
-    async def _reserve(
-        self, sid: str, info: ObjectInfo, priority: int, opened: Opened | None
-    ) -> ShardWriter:
-        """Room for the shard in the hot tier, before any byte lands (the hard bound).
-
-        A GET that has answered does not wait for room: its connection would sit for up
-        to ``pin_wait_s`` with the store sending into it (a native GET's body is held for
-        5 s at most). It waits :data:`HELD_UNLINK_WAIT_S` at most for evicted files to
-        leave the disk. Without room then its body is closed unread, and the bytes come
-        with a new GET (``If-Match``) once there is room. A prefetch never waits for
-        readers (:class:`NotAdmitted`; the caller closes the body).
-        """
-        prefetch = priority == PREFETCH
-        if opened is not None and not prefetch:
-            try:
-                return await self.hot.reserve(sid, info, wait_s=0, unlink_wait_s=HELD_UNLINK_WAIT_S)
-            except CacheFull:
-                opened.close()
-        return await self.hot.reserve(sid, info, prefetch=prefetch)
-
-    def _promote(self, shard: Shard, info: ObjectInfo) -> None:
-        """Write a shard read from the cold tier back to the warm tier, in the background,
-        from the hot tier's verified copy (pinned meanwhile, so it stays on disk)."""
-        self.hot.pin(shard)
-
-        async def upload() -> None:
-            try:
-                await self.sources.promote(info, self.hot.path(shard))
-                self.metrics.promotions.labels("ok").inc()
-                log.info("promoted %s from %s to the warm tier", info.url, info.read_url)
-            except CachedError as exc:
-                self.metrics.promotions.labels("failed").inc()
-                log.warning("promotion of %s to the warm tier failed: %s", info.url, exc)
-            finally:
-                self.hot.unpin(shard)
-
-        task = asyncio.create_task(upload(), name=f"promote {info.url}")
-        self._promotions.add(task)
-        task.add_done_callback(self._promotions.discard)
 
     async def stop(self) -> None:
         """Cancel the downloads and lookups under way and wait for them; each download
@@ -699,5 +472,4 @@ class Fetcher:
 
     async def drain(self) -> None:
         """Wait for promotions under way (at shutdown, within the daemon's drain time)."""
-        if self._promotions:
-            await asyncio.gather(*self._promotions, return_exceptions=True)
+        await self._landing.drain()

@@ -19,7 +19,8 @@ from cached.config import ColdConfig, S3Config, load
 from cached.errors import ConfigError, FetchError, ObjectArchived, ObjectNotFound
 from cached.sources.base import ObjectInfo
 from cached.sources.chain import TierChain
-from cached.sources.s3 import S3Source, _archive_state, _archived
+from cached.sources.s3 import S3Source
+from cached.sources.s3_client import _archive_state, _archived
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server
 from tests.test_sources import Collect, payload
@@ -74,7 +75,7 @@ def s3_cold(warm_bucket: str, cold_bucket: str, **overrides: Any) -> ColdConfig:
 
 async def fetch_bytes(chain: TierChain, info: ObjectInfo) -> bytes:
     sink = Collect()
-    await chain.fetch(info, sink)
+    await chain.stream_to_sink(info, sink)
     return sink.data
 
 
@@ -126,7 +127,7 @@ async def test_open_finds_the_cold_copy_with_one_get_per_tier_and_no_head(
         async with await chain.open(url) as opened:
             assert opened.info == described  # relabelled as head's answer: url, tier, source
             sink = Collect()
-            await chain.fetch(opened.info, sink, opened=opened)
+            await chain.stream_to_sink(opened.info, sink, opened=opened)
     assert sink.data == body
     # The warm miss was one GET (404); the cold copy's GET was the download's first.
     assert s3_server.count("GET", f"/{bucket}/") == 1

@@ -319,11 +319,11 @@ async def test_the_source_gives_up_on_a_body_corrupted_every_time(
             sink.chunks.clear()
 
         with pytest.raises(VerifyError, match="mismatch"):
-            await src.fetch(info, sink, rewind=rewind)
+            await src.stream_to_sink(info, sink, rewind=rewind)
         assert rewinds == [len(body), len(body)]  # two more whole attempts, then no more
         proxy.inject("corrupt", offset=100, times=1)
         sink.chunks.clear()
-        await src.fetch(info, sink, rewind=rewind)
+        await src.stream_to_sink(info, sink, rewind=rewind)
         assert sink.data == body
 
 

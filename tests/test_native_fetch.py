@@ -18,8 +18,8 @@ from botocore.exceptions import ClientError
 
 from cached.errors import FetchError, FetchTimeout, ObjectNotFound, VerifyError
 from cached.sources import native
-from cached.sources import s3 as s3mod
-from cached.sources.base import ObjectChanged, ObjectInfo
+from cached.sources import s3_native as s3mod
+from cached.sources.base import ObjectChanged, ObjectInfo, Opened, Sink
 from cached.sources.retry import CONNECTION, CORRUPT, SERVER_ERROR, THROTTLED, TIMEOUT
 from cached.sources.s3 import S3Source
 from tests.faultproxy import FaultProxy
@@ -59,9 +59,20 @@ async def nothing(run: Sequence[bytes]) -> None:
     raise AssertionError("the native path handed bytes to the sink")
 
 
+async def into_file(
+    src: S3Source, info: ObjectInfo, sink: Sink, path: Path, opened: Opened | None = None
+) -> bool:
+    """Into ``path`` where the source writes files itself (True), else into ``sink``."""
+    if await src.fetches_to_file(info, opened):
+        await src.fetch_to_file(info, path, opened=opened)
+        return True
+    await src.stream_to_sink(info, sink, opened=opened)
+    return False
+
+
 async def fetched(src: S3Source, info: ObjectInfo, path: Path) -> bytes:
     """Fetch ``info`` into ``path`` natively; the file's bytes."""
-    assert await src.fetch(info, nothing, into=path) is True
+    assert await into_file(src, info, nothing, path) is True
     return await asyncio.to_thread(path.read_bytes)
 
 
@@ -106,7 +117,7 @@ async def test_a_body_already_answering_streams_where_it_is(
         s3_server.reset_counts()
         async with await src.open(f"s3://{bucket}/obj.tar") as opened:
             path = tmp_path / "x"
-            assert await src.fetch(opened.info, sink, opened=opened, into=path) is False
+            assert await into_file(src, opened.info, sink, path, opened) is False
     assert b"".join(got) == body and not path.exists()
     assert s3_server.count("GET", bucket) == 1
 
@@ -126,7 +137,7 @@ async def test_an_open_holds_the_body_until_the_fetch_lets_it_come(
             assert opened.info.size == MID and opened.info.version == described.version
             await asyncio.sleep(0.3)
             assert landing.stat().st_size == 0  # held at the headers
-            assert await src.fetch(opened.info, nothing, opened=opened, into=path) is True
+            assert await into_file(src, opened.info, nothing, path, opened) is True
     assert await asyncio.to_thread(path.read_bytes) == body and not landing.exists()
     assert len(proxy.requests("GET")) == -(-MID // PART)  # the parts of one GET, no more
     assert len(proxy.requests("HEAD")) == 1  # the test's own
@@ -162,7 +173,7 @@ async def test_an_open_checks_the_stores_checksum_not_the_md5_where_it_keeps_one
         async with await src.open(url, tmp_path / "open") as opened:
             assert re.fullmatch("[0-9a-f]{32}", opened.info.etag or "")  # an MD5
             path = tmp_path / "obj"
-            assert await src.fetch(opened.info, nothing, opened=opened, into=path) is True
+            assert await into_file(src, opened.info, nothing, path, opened) is True
     assert await asyncio.to_thread(path.read_bytes) == body
     assert md5s == []
     assert len(proxy.requests("HEAD")) == 1
@@ -187,7 +198,7 @@ async def test_a_store_that_keeps_no_checksums_is_asked_a_few_times_then_the_md5
                 if i == opens - 1:
                     proxy.inject("corrupt", offset=99)  # the retry's GET: the MD5 catches it
                     opened.close()  # the open's body unread: the fetch asks again
-                assert await src.fetch(opened.info, nothing, opened=opened, into=path)
+                assert await into_file(src, opened.info, nothing, path, opened)
             assert await asyncio.to_thread(path.read_bytes) == body
     assert len(proxy.requests("HEAD")) == s3mod.CHECKSUM_PROBES
     assert client.reasons == [CORRUPT]
@@ -209,7 +220,7 @@ async def test_opens_at_once_ask_no_more_checksum_probes_than_opens_one_at_a_tim
 
     async def read(src: S3Source, i: int) -> bytes:
         async with await src.open(f"s3://{bucket}/{i}.tar", tmp_path / f"open{i}") as opened:
-            assert await src.fetch(opened.info, nothing, opened=opened, into=tmp_path / f"{i}")
+            assert await into_file(src, opened.info, nothing, tmp_path / f"{i}", opened)
         return await asyncio.to_thread((tmp_path / f"{i}").read_bytes)
 
     async with client as src:
@@ -272,7 +283,7 @@ async def test_an_open_of_a_multipart_object_checks_the_stores_checksum(
             proxy.inject("corrupt", offset=12345)
         async with await src.open(url, tmp_path / "open") as opened:
             path = tmp_path / "obj"
-            assert await src.fetch(opened.info, nothing, opened=opened, into=path) is True
+            assert await into_file(src, opened.info, nothing, path, opened) is True
     assert await asyncio.to_thread(path.read_bytes) == body
     assert len(proxy.requests("HEAD")) == 1
     assert client.reasons == ([CORRUPT] if corrupt else [])
@@ -348,7 +359,7 @@ async def test_an_open_whose_get_fails_is_asked_again(
             if when == "after-headers":
                 proxy.inject(fault, after_bytes=1000, offset=500)  # a later part's GET
             path = tmp_path / "obj"
-            assert await src.fetch(opened.info, nothing, opened=opened, into=path) is True
+            assert await into_file(src, opened.info, nothing, path, opened) is True
     assert await asyncio.to_thread(path.read_bytes) == body
     assert client.reasons == [CONNECTION if fault == "cut" else CORRUPT]
     gets = proxy.requests("GET")
@@ -562,7 +573,7 @@ async def test_cancelling_a_fetch_cancels_the_get_at_once(
     async with Native(proxy.endpoint_url, aio_session) as src:
         info = await src.head(f"s3://{bucket}/obj.tar")
         proxy.inject("delay", delay_s=1.0)
-        task = asyncio.create_task(src.fetch(info, nothing, into=path))
+        task = asyncio.create_task(into_file(src, info, nothing, path))
         for _ in range(500):
             if proxy.requests("GET"):
                 break

@@ -23,7 +23,7 @@ from botocore import exceptions as boto_exc
 
 from cached.config import S3Config
 from cached.errors import FetchError, FetchTimeout, ObjectNotFound, VerifyError
-from cached.sources import Sources, s3
+from cached.sources import Sources, s3_client, s3_gets
 from cached.sources.base import ObjectInfo, Opened
 from cached.sources.file import FileSource
 from cached.sources.retry import (
@@ -119,7 +119,7 @@ async def via_proxy(proxy: FaultProxy, make_source: SourceFactory) -> AsyncItera
 
 async def fetch_bytes(src: S3Source, info: ObjectInfo) -> bytes:
     sink = Collect()
-    await src.fetch(info, sink)
+    await src.stream_to_sink(info, sink)
     return sink.data
 
 
@@ -151,7 +151,7 @@ async def test_a_streamed_get_hands_the_chunks_over_as_they_were_received(
         runs.append(run)
 
     async with make_source(s3_server.endpoint_url, part_size_bytes=8 << 20) as src:
-        await src.fetch(await src.head(f"s3://{bucket}/stream.tar"), sink)
+        await src.stream_to_sink(await src.head(f"s3://{bucket}/stream.tar"), sink)
     assert b"".join(chunk for run in runs for chunk in run) == body
     assert max(map(len, runs)) > 1  # several received chunks in one run: none joined
 
@@ -182,7 +182,7 @@ async def test_a_chunked_body_is_read_to_its_end_chunk_by_chunk() -> None:
         aiohttp.ClientSession() as session,
         session.get(f"http://127.0.0.1:{port}/") as response,
     ):
-        while data := await s3._chunk(response.content):
+        while data := await s3_gets._chunk(response.content):
             got.append(data)
     assert b"".join(got) == b"".join(parts)
 
@@ -195,7 +195,7 @@ async def test_large_object_is_ranged_gets_in_order(
     info = await direct.head(f"s3://{bucket}/big.tar")
     s3_server.reset_counts()
     sink = Collect()
-    await direct.fetch(info, sink)
+    await direct.stream_to_sink(info, sink)
     assert sink.data == body
     assert [len(c) for c in sink.chunks] == [PART] * 16 + [7]
     assert s3_server.count("GET", bucket) == 17
@@ -406,7 +406,7 @@ async def test_open_describes_the_object_as_head_does_and_its_body_is_the_downlo
         # Size, ETag and the store's own checksum (D24) come with the GET's headers.
         assert opened.info == described
         sink = Collect()
-        await via_proxy.fetch(opened.info, sink, opened=opened)
+        await via_proxy.stream_to_sink(opened.info, sink, opened=opened)
     assert sink.data == body
     first, *rest = proxy.requests("GET")
     assert (first.range, first.if_match) == (None, None)
@@ -445,7 +445,7 @@ async def test_corrupted_bytes_of_an_opened_get_are_fetched_again_whole(
     async with await via_proxy.open(f"s3://{bucket}/obj.tar") as opened:
         # The CRC32 from the GET's headers; from RGW, which keeps none, the ETag's MD5.
         assert (opened.info.checksum is not None) == s3_server.keeps_checksums
-        await via_proxy.fetch(opened.info, sink, rewind=rewind, opened=opened)
+        await via_proxy.stream_to_sink(opened.info, sink, rewind=rewind, opened=opened)
     assert sink.data == body
     first, again = proxy.requests("GET")
     assert first.fault == "corrupt" and again.range is None and again.if_match
@@ -483,7 +483,7 @@ async def test_opening_a_missing_key_is_object_not_found_after_one_request(
 
 async def fetch_opened(src: S3Source, opened: Opened) -> bytes:
     sink = Collect()
-    await src.fetch(opened.info, sink, opened=opened)
+    await src.stream_to_sink(opened.info, sink, opened=opened)
     return sink.data
 
 
@@ -503,7 +503,7 @@ async def test_budget_exhausted_on_throttling_is_a_fetch_error(
         proxy.inject("slowdown", times=100)
         started = time.monotonic()
         with pytest.raises(FetchError) as caught:
-            await src.fetch(info, Collect())
+            await src.stream_to_sink(info, Collect())
         # The request budget halves its rate at each SlowDown (free retries) down to
         # its floor, 1 request/s; from there SlowDowns use up the 3 attempts.
         assert src.pacer.rate == 1.0
@@ -526,7 +526,7 @@ async def test_budget_exhausted_on_timeouts_is_a_fetch_timeout(
         proxy.inject("delay", times=1000, delay_s=5.0)
         started = time.monotonic()
         with pytest.raises(FetchTimeout) as caught:
-            await src.fetch(info, Collect())
+            await src.stream_to_sink(info, Collect())
         # 3 attempts of 0.2 s each, plus short backoffs; never the 5 s the server takes.
         assert time.monotonic() - started < 2.0
         assert isinstance(caught.value, TimeoutError)
@@ -565,7 +565,7 @@ async def test_missing_key_is_object_not_found_after_one_request(
     assert s3_server.count("HEAD", bucket) == 1
     info = ObjectInfo(url, s3_server.endpoint_url, 10, "v", None)
     with pytest.raises(ObjectNotFound, match=re.escape(url)):
-        await direct.fetch(info, Collect())
+        await direct.stream_to_sink(info, Collect())
     assert s3_server.count("GET", bucket) == 1
     assert reasons == []
 
@@ -599,7 +599,7 @@ async def test_an_error_with_an_empty_message_names_its_code(
     with pytest.raises(boto_exc.ClientError) as answered:
         client.get_object(Bucket=bucket, Key=key)  # a GET: a HEAD's answer has no body
     assert answered.value.response["Error"].get("Message") is None
-    error = s3._translate(answered.value, f"s3://{bucket}/{key}", s3_server.endpoint_url)
+    error = s3_client._translate(answered.value, f"s3://{bucket}/{key}", s3_server.endpoint_url)
     assert isinstance(error, FetchError)
     assert str(error).endswith("answered 400 InvalidObjectName"), error
 
@@ -628,7 +628,7 @@ async def test_sink_errors_propagate_unchanged(
 
         s3_server.reset_counts()
         with pytest.raises(ConnectionResetError, match="consumer hung up"):
-            await direct.fetch(info, sink)
+            await direct.stream_to_sink(info, sink)
         assert s3_server.count("GET", bucket) >= 1
     assert reasons == []
 
@@ -640,7 +640,7 @@ async def test_cancelling_a_fetch_stops_its_parts(
     async with make_source(proxy.endpoint_url) as src:
         info = await src.head(f"s3://{bucket}/big.tar")
         proxy.inject("delay", times=100, delay_s=5.0)
-        task = asyncio.create_task(src.fetch(info, Collect()))
+        task = asyncio.create_task(src.stream_to_sink(info, Collect()))
         for _ in range(500):  # until the whole window is waiting at the proxy
             if len(proxy.requests("GET")) == 4:
                 break
@@ -751,7 +751,7 @@ async def test_object_replaced_after_head_is_a_fetch_error(
     s3_server.put(bucket, "obj.tar", payload(size, 2))
     sink = Collect()
     with pytest.raises(FetchError, match="changed") as caught:
-        await direct.fetch(info, sink)
+        await direct.stream_to_sink(info, sink)
     assert not isinstance(caught.value, VerifyError)
     assert sink.data == b""
 
@@ -771,7 +771,7 @@ async def test_object_replaced_mid_fetch_never_mixes_versions(
     async with make_source(s3_server.endpoint_url, part_concurrency=2) as src:
         info = await src.head(f"s3://{bucket}/big.tar")
         with pytest.raises(FetchError, match="changed"):
-            await src.fetch(info, replacing_sink)
+            await src.stream_to_sink(info, replacing_sink)
     assert sink.data and old.startswith(sink.data) and len(sink.data) < MID
 
 
@@ -837,7 +837,7 @@ async def test_file_round_trip(tmp_path: Path) -> None:
         st = path.stat()
         assert (info.size, info.version) == (len(body), f"{st.st_size}-{st.st_mtime_ns}")
         sink = Collect()
-        await src.fetch(info, sink)
+        await src.stream_to_sink(info, sink)
     assert sink.data == body
     assert [len(c) for c in sink.chunks] == [1 << 20] * 3 + [5]
 
@@ -848,7 +848,7 @@ async def test_file_missing(tmp_path: Path) -> None:
     with pytest.raises(ObjectNotFound, match=re.escape(url)):
         await src.head(url)
     with pytest.raises(ObjectNotFound, match=re.escape(url)):
-        await src.fetch(ObjectInfo(url, "file://", 3, "3-0"), Collect())
+        await src.stream_to_sink(ObjectInfo(url, "file://", 3, "3-0"), Collect())
     with pytest.raises(FetchError, match="not a regular file"):
         await src.head(tmp_path.as_uri())
 
@@ -861,7 +861,7 @@ async def test_file_changed_size_after_head(tmp_path: Path) -> None:
     path.write_bytes(b"a" * 1500)
     sink = Collect()
     with pytest.raises(VerifyError, match="size mismatch"):
-        await src.fetch(info, sink)
+        await src.stream_to_sink(info, sink)
     assert sink.data == b""
 
 
@@ -874,7 +874,7 @@ async def test_file_rewritten_with_same_size(tmp_path: Path) -> None:
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     with pytest.raises(FetchError, match="changed"):
-        await src.fetch(info, Collect())
+        await src.stream_to_sink(info, Collect())
 
 
 async def test_file_growing_while_read(tmp_path: Path) -> None:
@@ -891,7 +891,7 @@ async def test_file_growing_while_read(tmp_path: Path) -> None:
         await sink(run)
 
     with pytest.raises(VerifyError, match="grew"):
-        await src.fetch(info, appending_sink)
+        await src.stream_to_sink(info, appending_sink)
     assert len(sink.data) == info.size  # never more than the expected size
 
 
@@ -910,7 +910,7 @@ async def test_sources_route_by_scheme(
         for url, want in ((path.as_uri(), b"local bytes"), (f"s3://{bucket}/b.tar", b"remote")):
             info = await sources.head(url)
             sink = Collect()
-            await sources.fetch(info, sink)
+            await sources.stream_to_sink(info, sink)
             assert sink.data.startswith(want)
         assert isinstance(await sources.source_for(f"s3://{bucket}/x"), S3Source)
         with pytest.raises(FetchError, match="scheme"):

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from cached.fetcher import Fetcher
 from cached.metrics import Metrics
 from cached.policy import LRUPolicy
-from cached.sources import s3 as s3_module
+from cached.sources import s3_native as s3_module
 from cached.sources.chain import TierChain
 from cached.tiers.hot import HotTier, Shard, ShardWriter
 from cached_demo.tars import make_tar

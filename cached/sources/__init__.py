@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from cached_wire.urls import parse
 
 from ..config import S3Config
 from ..errors import FetchError
-from .base import ObjectInfo, Opened, OwnsStack, Rewind, Sink, Source
+from .base import ObjectInfo, Opened, OwnsStack, Router, Sink, Source
 from .file import FileSource
 from .pacing import RequestPacer
 from .retry import OnRetry
@@ -28,8 +27,8 @@ __all__ = ["FileSource", "ObjectInfo", "Opened", "S3Source", "Sink", "Source", "
 log = logging.getLogger(__name__)
 
 
-class Sources(OwnsStack):
-    """Every remote tier behind one ``head``/``open``/``fetch``, dispatching on the URL
+class Sources(Router, OwnsStack):
+    """Every remote tier behind one :class:`~cached.sources.base.Source`, dispatching on the URL
     scheme.
 
     ``async with Sources(cfg.s3, on_retry=...) as sources:``. The S3 client is created
@@ -110,21 +109,9 @@ class Sources(OwnsStack):
         """Start reading ``url`` from its tier (see :meth:`Source.open`)."""
         return await (await self.source_for(url)).open(url, landing)
 
-    async def fetch(
-        self,
-        info: ObjectInfo,
-        sink: Sink,
-        *,
-        rewind: Rewind | None = None,
-        opened: Opened | None = None,
-        into: Path | None = None,
-        landed: Callable[[], None] | None = None,
-    ) -> bool:
-        """Stream ``info.url`` from its tier into ``sink`` (see :meth:`Source.fetch`)."""
-        source = await self.source_for(info.url)
-        return await source.fetch(
-            info, sink, rewind=rewind, opened=opened, into=into, landed=landed
-        )
+    async def _reader(self, info: ObjectInfo) -> tuple[Source, ObjectInfo]:
+        """The tier that serves ``info.url``, and ``info`` as it is."""
+        return await self.source_for(info.url), info
 
 
 def _warmed_session() -> AioSession | None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from ..errors import FetchError
 
@@ -105,7 +106,9 @@ class Opened:
 
 
 class Source(Protocol):
-    """A remote tier: look an object up, then stream it in order into a sink."""
+    """A remote tier: look an object up, then fetch it into a file or stream it in
+    order into a sink, whichever the caller wants (:meth:`fetches_to_file` says which
+    is the cheaper)."""
 
     async def head(self, url: str) -> ObjectInfo:
         """Return the object's size and version. Raises ``ObjectNotFound`` or ``FetchError``."""
@@ -116,30 +119,25 @@ class Source(Protocol):
         answer that also carries its bytes (one request, not two). Raises as :meth:`head`.
 
         ``landing``: a file (in the hot tier) the source may write the body into as it
-        arrives, no sooner than :meth:`fetch` lets it (the native path); it is removed
+        arrives, no sooner than :meth:`fetch_to_file` lets it (the native path); it is removed
         if the body is not taken."""
         ...
 
-    async def fetch(
+    async def fetches_to_file(self, info: ObjectInfo, opened: Opened | None = None) -> bool:
+        """Whether :meth:`fetch_to_file` is this object's cheaper way in: the source
+        writes the file itself, with no Python per byte (the native S3 path). Otherwise
+        a caller that has a sink of its own streams to it (:meth:`stream_to_sink`)."""
+        ...
+
+    async def stream_to_sink(
         self,
         info: ObjectInfo,
         sink: Sink,
         *,
         rewind: Rewind | None = None,
         opened: Opened | None = None,
-        into: Path | None = None,
-        landed: Callable[[], None] | None = None,
-    ) -> bool:
+    ) -> None:
         """Stream the object's bytes, in order, into ``sink``; verify size and checksum.
-
-        ``into``: the file the bytes are bound for. A source that can write them there
-        itself, with no Python per byte (the native S3 path), does so, leaves ``sink``
-        unused and returns True; the file then holds exactly the verified object, not
-        synced. Otherwise the bytes go to ``sink`` and the result is False. ``landed()``
-        is called when every byte is in ``into`` and a check over the file is left (the
-        MD5 of an ETag): the caller may give back what it holds for the transfer (its
-        download slot, D48); a fetch again after a failed check calls ``rewind()``
-        first.
 
         ``opened``: the :meth:`open` that described ``info``; its body is streamed
         rather than asking again (the caller still closes it, if it is not taken).
@@ -150,6 +148,98 @@ class Source(Protocol):
         disappeared, ``ObjectChanged`` when it was replaced, ``FetchError`` otherwise.
         """
         ...
+
+    async def fetch_to_file(
+        self,
+        info: ObjectInfo,
+        path: Path,
+        *,
+        rewind: Rewind | None = None,
+        opened: Opened | None = None,
+        landed: Callable[[], None] | None = None,
+    ) -> None:
+        """Write the object's bytes into ``path``: the file then holds exactly the
+        verified object, not synced. Retries, ``opened`` and errors as
+        :meth:`stream_to_sink`.
+
+        ``landed()`` is called when every byte is in ``path`` and a check over the file
+        is left (the MD5 of an ETag): the caller may give back what it holds for the
+        transfer (its download slot, D48); a fetch again after a failed check calls
+        ``rewind()`` first. A source with no way of its own to write files streams into
+        it (:func:`stream_to_file`).
+        """
+        ...
+
+
+async def stream_to_file(
+    source: Source,
+    info: ObjectInfo,
+    path: Path,
+    *,
+    rewind: Rewind | None = None,
+    opened: Opened | None = None,
+) -> None:
+    """:meth:`Source.fetch_to_file` for a source that only streams: its
+    :meth:`Source.stream_to_sink` into ``path`` (written in worker threads; a rewind
+    empties the file, then calls ``rewind``)."""
+    fh: BinaryIO = await asyncio.to_thread(open, path, "wb")
+
+    async def write(run: Sequence[bytes]) -> None:
+        await asyncio.to_thread(fh.writelines, run)
+
+    async def again() -> None:
+        await asyncio.to_thread(_emptied, fh)
+        if rewind is not None:
+            await rewind()
+
+    try:
+        await source.stream_to_sink(info, write, rewind=again, opened=opened)
+    finally:
+        await asyncio.to_thread(fh.close)
+
+
+def _emptied(fh: BinaryIO) -> None:
+    fh.seek(0)
+    fh.truncate()
+
+
+class Router:
+    """A source made of others: each fetch goes to the one that holds the object
+    (:meth:`_reader`), which implements :class:`Source`'s fetches."""
+
+    async def _reader(self, info: ObjectInfo) -> tuple[Source, ObjectInfo]:
+        """The source that reads ``info``'s object, and ``info`` as that source knows it."""
+        raise NotImplementedError
+
+    async def fetches_to_file(self, info: ObjectInfo, opened: Opened | None = None) -> bool:
+        """Whether the object's source writes files itself (see :meth:`Source.fetches_to_file`)."""
+        source, read = await self._reader(info)
+        return await source.fetches_to_file(read, opened)
+
+    async def stream_to_sink(
+        self,
+        info: ObjectInfo,
+        sink: Sink,
+        *,
+        rewind: Rewind | None = None,
+        opened: Opened | None = None,
+    ) -> None:
+        """Stream the object from its source into ``sink`` (see :meth:`Source.stream_to_sink`)."""
+        source, read = await self._reader(info)
+        await source.stream_to_sink(read, sink, rewind=rewind, opened=opened)
+
+    async def fetch_to_file(
+        self,
+        info: ObjectInfo,
+        path: Path,
+        *,
+        rewind: Rewind | None = None,
+        opened: Opened | None = None,
+        landed: Callable[[], None] | None = None,
+    ) -> None:
+        """Write the object from its source into ``path`` (see :meth:`Source.fetch_to_file`)."""
+        source, read = await self._reader(info)
+        await source.fetch_to_file(read, path, rewind=rewind, opened=opened, landed=landed)
 
 
 class OwnsStack:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from ..config import ColdConfig, S3Config
 from ..errors import FetchError, ObjectArchived, ObjectNotFound
 from . import Sources
-from .base import ObjectInfo, Opened, OwnsStack, Rewind, Sink, Source
+from .base import ObjectInfo, Opened, OwnsStack, Router, Source
 from .pacing import RequestPacer
 from .retry import OnRetry
 from .s3 import S3Source
@@ -54,9 +54,9 @@ def _opener(landing: Path | None) -> Callable[[Source, str], Awaitable[Opened]]:
     return _open
 
 
-class TierChain(OwnsStack):
-    """The remote tiers in order, behind one ``head``/``open``/``fetch`` (what the
-    fetcher uses).
+class TierChain(Router, OwnsStack):
+    """The remote tiers in order, behind one :class:`~cached.sources.base.Source` (what
+    the fetcher uses).
 
     ``async with TierChain(cfg.s3, cfg.cold, on_retry=...) as tiers:``. The warm tier is
     a :class:`~cached.sources.Sources` router (by scheme). The cold tier, if ``cold`` is
@@ -171,41 +171,19 @@ class TierChain(OwnsStack):
                     f"(warm: {warm_miss}; cold: {cold_miss})"
                 ) from cold_miss
 
-    async def fetch(
-        self,
-        info: ObjectInfo,
-        sink: Sink,
-        *,
-        rewind: Rewind | None = None,
-        opened: Opened | None = None,
-        into: Path | None = None,
-        landed: Callable[[], None] | None = None,
-    ) -> bool:
-        """Stream the object from the tier :meth:`head` (or :meth:`open`) found it in
-        into ``sink``.
-
-        Reads ``info.source_url or info.url``; see :meth:`Source.fetch` for the
-        guarantees and errors (which name the URL actually read).
-        """
+    async def _reader(self, info: ObjectInfo) -> tuple[Source, ObjectInfo]:
+        """The tier :meth:`head` (or :meth:`open`) found the object in, and ``info`` as
+        that tier knows it: the sources read ``info.url``, so a cold copy's is its
+        ``source_url`` (and the errors name the URL actually read)."""
         if info.source_url is None:
-            return await self._warm.fetch(
-                info, sink, rewind=rewind, opened=opened, into=into, landed=landed
-            )
+            return self._warm, info
         source_url = info.source_url
         source = (
             await self._cold_source(source_url)
             if info.tier == COLD
             else await self._warm.source_for(source_url)
         )
-        # The sources read info.url; hand them the info as the tier itself knows it.
-        return await source.fetch(
-            dataclasses.replace(info, url=source_url),
-            sink,
-            rewind=rewind,
-            opened=opened,
-            into=into,
-            landed=landed,
-        )
+        return source, dataclasses.replace(info, url=source_url)
 
     def promote_enabled(self, info: ObjectInfo) -> bool:
         """Whether a shard fetched with ``info`` should be written back to the warm tier."""

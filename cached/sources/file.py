@@ -17,7 +17,7 @@ from typing import BinaryIO
 from cached_wire.urls import parse
 
 from ..errors import FetchError, ObjectNotFound, VerifyError
-from .base import ObjectChanged, ObjectInfo, Opened, OwnsStack, Rewind, Sink
+from .base import ObjectChanged, ObjectInfo, Opened, OwnsStack, Rewind, Sink, stream_to_file
 
 ENDPOINT = "file://"
 _MIN_CHUNK = 1 << 20
@@ -80,24 +80,39 @@ class FileSource(OwnsStack):
         (``landing`` is unused)."""
         return Opened(await self.head(url))
 
-    async def fetch(
+    async def fetches_to_file(self, info: ObjectInfo, opened: Opened | None = None) -> bool:
+        """False: a file is copied through Python either way, so a caller's own sink
+        (which does its work as the bytes pass) is the cheaper way."""
+        return False
+
+    async def fetch_to_file(
+        self,
+        info: ObjectInfo,
+        path: Path,
+        *,
+        rewind: Rewind | None = None,
+        opened: Opened | None = None,
+        landed: Callable[[], None] | None = None,
+    ) -> None:
+        """Copy the file into ``path`` as :meth:`stream_to_sink` streams it (``landed``
+        is unused: no check over the file is left)."""
+        await stream_to_file(self, info, path, rewind=rewind, opened=opened)
+
+    async def stream_to_sink(
         self,
         info: ObjectInfo,
         sink: Sink,
         *,
         rewind: Rewind | None = None,
         opened: Opened | None = None,
-        into: Path | None = None,
-        landed: Callable[[], None] | None = None,
-    ) -> bool:
+    ) -> None:
         """Stream the file into ``sink`` in chunks, in order.
 
         Raises :class:`ObjectNotFound` if the file is gone, :class:`VerifyError` if its
         size differs from ``info.size`` (before or while reading), :class:`ObjectChanged`
         if it was rewritten (same size, new mtime) since :meth:`head`. At most
         ``info.size`` bytes ever reach the sink. ``rewind`` is unused: a file has no
-        checksum to fail; so is ``opened``, which holds no open file, and ``into`` and
-        ``landed``: the bytes always go to the sink (False).
+        checksum to fail; so is ``opened``, which holds no open file.
         """
         path = _path(info.url)
         try:
@@ -113,7 +128,6 @@ class FileSource(OwnsStack):
             raise _os_error(info.url, exc) from exc
         finally:
             fh.close()
-        return False
 
     async def _stream(self, fh: BinaryIO, info: ObjectInfo, sink: Sink) -> None:
         before = await asyncio.to_thread(os.fstat, fh.fileno())
