@@ -62,6 +62,7 @@ class Forbidden(CachedError, PermissionError):
     code = ErrorCode.FORBIDDEN
 
 
+# I69: only allowed URLs are served.
 class Access:
     """The ``[server] allow`` check. ``await access.check(urls)`` raises :class:`Forbidden`
     for the first URL not admitted, or ``UsageError`` (a ``ValueError``) for a bad URL."""

@@ -41,6 +41,7 @@ class Dataset:
     seen: float  # clock of the last tell, or of the last plan naming it
 
 
+# I58: a dataset's name is its digest, checked.
 def checked(dataset_id: str, urls: list[object]) -> Dataset:
     """The dataset a ``dataset`` request tells, checked: a list of valid URLs whose digest
     is ``dataset_id``. Pure (``ValueError`` for a bad one): runs in a worker thread for
@@ -57,6 +58,7 @@ def checked(dataset_id: str, urls: list[object]) -> Dataset:
     return Dataset(dataset_id, strings, 0.0)
 
 
+# I57: a plan by positions is the plan of its URLs.
 def resolve(dataset: Dataset, index: str, most: int) -> list[str]:
     """The URLs a plan's ``index`` names in ``dataset`` (at most ``most`` of them);
     ``ValueError`` for a bad index. Pure: runs in a worker thread for long plans."""
@@ -109,6 +111,7 @@ class Datasets:
         held.seen = self.clock()
         return held
 
+    # I59: a dataset stays while a plan names it.
     def drop_unnamed(self, named: set[str]) -> list[str]:
         """Drop the datasets no key in ``named`` (the live plans' :func:`key`) holds and
         that were last told or named over ``timeout_s`` ago; returns their keys."""

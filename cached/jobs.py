@@ -79,6 +79,7 @@ class Report:
         )
 
 
+# I64: jobs stay bounded and lapse with their series.
 class JobBoard:
     """Every job that reported recently, and its counters in ``metrics``.
 

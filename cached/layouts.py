@@ -20,6 +20,7 @@ from .tiers.index import Member, Sample, ShardIndex
 # Whole-shard layouts kept per resident shard (one per extension list asked for, the
 # last few): a client may ask for any number of lists, and each layout is about the size
 # of the shard's index.
+# I63: whole-shard layouts kept stay bounded.
 MAX_KEPT_LAYOUTS = 4
 
 

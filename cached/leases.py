@@ -33,6 +33,7 @@ class Leases:
         bounds = bounds or Bounds()
         self.quota, self.pinned = bounds.lease_quotas(hot.capacity_bytes)
 
+    # I55: leases are capped per connection, uid and in total.
     def hold(self, stream: str, shard: Shard, client: bytes = b"", user: str = "") -> None:
         """Pin ``shard`` for ``stream`` (once per pair) and refresh the lease. Raises
         :class:`LimitExceeded` when ``client`` (or its ``user``, or everyone) already holds
@@ -49,6 +50,7 @@ class Leases:
         self._held[key] = (shard, now + self.timeout_s, client)
         self._active[stream] = now
 
+    # I33: a live reader's heartbeat keeps its leases.
     def renew_client(self, client: bytes) -> int:
         """Refresh every lease ``client`` holds (its heartbeat); returns how many."""
         until = time.monotonic() + self.timeout_s
@@ -75,6 +77,7 @@ class Leases:
             self.release(stream, shard_id)
         return len(keys)
 
+    # I32: a lease lapses 1 to 1.25 x lease_timeout_s after its last renewal.
     def expire(self) -> int:
         """Release lapsed leases; returns how many."""
         now = time.monotonic()

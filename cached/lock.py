@@ -55,6 +55,7 @@ class DirLock:
                 f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
             ) from exc
         try:
+            # I70: one daemon per tier.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             holder = _read_pid(fd)

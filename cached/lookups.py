@@ -39,6 +39,7 @@ PROBE_S = 2.0
 # Answers remembered at most, least recently used dropped first: clients name the URLs, so
 # this state must have a bound other than time (~100 MB at the bound). A dropped answer
 # costs one request when the URL comes back.
+# I62: the store's answers remembered stay bounded.
 MAX_ANSWERS = 262_144
 
 
@@ -48,6 +49,7 @@ class _Answer:
     at: float  # time.monotonic() of the answer
 
 
+# I19: versions are no older than revalidate_s.
 class Lookups:
     """The store's answers (HEADs, deduplicated, and the fetcher's GETs' headers),
     remembered; resident copies stand in during an outage.

@@ -165,6 +165,7 @@ class Peers:
         self._by_fd.setdefault(fd, []).append(peer)
         return peer
 
+    # I35: a gone connection is told at once (its pins go; I36: its plans after plan_grace_s).
     def events(self) -> None:
         """Apply the monitor's events, on the event loop: accepted descriptors open (where
         admitted), disconnected ones close and their peers go."""

@@ -192,6 +192,7 @@ class Planner:
             pass
         return len(lapsed)
 
+    # I37: a quiet plan is dropped after plan_timeout_s.
     def drop_lapsed(self) -> list[Plan]:
         """Unpublish the plans whose stream went quiet for ``timeout_s`` and return them;
         their index entries go with :meth:`unindexing` (in steps, like :meth:`install`)."""
@@ -203,6 +204,7 @@ class Planner:
             self._changed()
         return lapsed
 
+    # I38: a heartbeat keeps a quiet plan.
     def touch(self, keys: Sequence[str]) -> None:
         """The readers of the plans under ``keys`` are alive (a heartbeat): their plans
         do not lapse while they read from files without a request, or pause."""

@@ -179,6 +179,7 @@ class Prefetcher:
             and (fetcher.fetching(url) or now - plan.cursor_at < ARRIVAL_GRACE_S)
         }
 
+    # I27: prefetch brings only what can stay.
     def _window(
         self, upcoming: Iterator[tuple[float, str]]
     ) -> list[tuple[float, str, ObjectInfo | None]]:

@@ -38,6 +38,7 @@ def _count(n: int) -> str:
     return str(n)
 
 
+# I54, I60: plans and pins capped per connection, uid and in total; datasets count.
 class Quota:
     """Live keys of one kind, each owned by a connection and a user, with caps on the
     weight one connection, one user, and everyone together may hold."""

@@ -26,6 +26,7 @@ class _Waiter:
     fut: asyncio.Future[None]
 
 
+# I23, I24: demand before prefetch, one slot kept for demand.
 class PrioritySlots:
     """A semaphore for downloads: demand misses first (in arrival order), then prefetches,
     the most urgent first (``urgency(key)``: seconds until a reader needs it; arrival
@@ -95,6 +96,7 @@ class PrioritySlots:
             chosen.fut.set_result(None)
 
 
+# I25: a slot is held for a GET, not for the local work after it.
 class Held:
     """One download's hold on a slot of ``slots``, taken before it is made: given back
     with :meth:`give_back` (at most once per take), and taken again with :meth:`take`

@@ -36,6 +36,7 @@ class StoreHealth:
         # The objects whose requests gave up since the store last answered.
         self._failing: dict[str, None] = {}
 
+    # I31: one object's failure is its own.
     def failed(self, error: BaseException, url: str | None = None) -> bool:
         """A request about ``url`` (None: about no object) gave up on transient failures;
         True if this starts an outage (see the module's docstring for when it does)."""

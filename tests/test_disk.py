@@ -85,6 +85,7 @@ def effective(d: Any) -> tuple[int, int, float]:
     will take (about a shard less)."""
     gauge = d.daemon.metrics.hot_capacity_effective_bytes
     deadline = time.monotonic() + 10
+    d.call(d.daemon.hot.check)
     while d.call(lambda: d.daemon.hot.stats().fetching) and time.monotonic() < deadline:
         time.sleep(0.05)
     deadline = time.monotonic() + 5
@@ -115,6 +116,7 @@ def test_a_dataset_larger_than_the_disk_is_read_whole_and_status_shows_the_disk(
             for _epoch in range(2):
                 assert keys_and_bins(urls, d.socket, shuffle=False) == want
             capacity, bound, metric = effective(d)
+            d.call(d.daemon.hot.check)
             used = d.call(d.daemon.hot.stats).used_bytes
             cli._status(d.socket, as_json=False)
     assert capacity == 1 << 30
@@ -205,6 +207,7 @@ def test_a_disk_that_fills_mid_write_drops_the_partial_file_evicts_and_fetches_a
             # The prefetcher may be fetching a shard evicted to make room: its partial file
             # is its own, and goes when it is published.
             deadline = time.monotonic() + 10
+            d.call(d.daemon.hot.check)
             while d.call(lambda: d.daemon.hot.stats().fetching) and time.monotonic() < deadline:
                 time.sleep(0.05)
             left = sorted(p.name for p in disk.iterdir() if p.name.endswith(".partial"))

@@ -157,6 +157,7 @@ def test_an_unlink_behind_a_busy_pool_does_not_cost_the_reader_its_shard(
 
 
 def pins(d: ThreadDaemon) -> int:
+    d.call(d.daemon.hot.check)
     count: int = d.call(lambda: d.daemon.hot.stats().pinned)
     return count
 

@@ -239,23 +239,31 @@ async def test_a_read_never_returns_rotten_bytes_and_pins_carry_over(
     body = make_tar([("a", {"bin": b"x" * 100}), ("b", {"bin": b"y" * 100})])
     info = ObjectInfo("s3://b/k.tar", "e", len(body), "v1")
     writer = await hot.reserve("sid", info)
+    hot.check()
     await writer.write((body,))
+    hot.check()
     shard = await writer.publish()
+    hot.check()
     assert shard.index is not None
     members = [m for s in shard.index.samples for m in s.members]
     assert [bytes(v) for v in await hot.read(shard, members)] == [b"x" * 100, b"y" * 100]
     hot.pin(shard)  # a reader holds it
+    hot.check()
     flip(hot.path(shard), members[1].offset + 50)
     assert bytes((await hot.read(shard, members[:1]))[0]) == b"x" * 100  # not the rotten one
     with pytest.raises(ShardCorrupt, match="fails its checksum"):
         await hot.read(shard, members)
+    hot.check()  # dropped as corrupt: an orphan while the reader pins it
     assert found == ["read"] and hot.get("sid") is None and not hot.path(shard).exists()
     again = await hot.reserve("sid", info)
+    hot.check()
     assert again.shard is shard and shard.pins == 1  # the reader's pin carries over
     await again.write((body,))
     assert await again.publish() is shard
+    hot.check()
     assert [bytes(v) for v in await hot.read(shard, members)] == [b"x" * 100, b"y" * 100]
     hot.unpin(shard)
+    hot.check()
     assert shard.pins == 0 and hot.stats().pinned == 0
 
 

@@ -58,7 +58,9 @@ def info(name: str, version: str = "v1") -> ObjectInfo:
 
 async def publish(hot: HotTier, sid: str, name: str | None = None, version: str = "v1") -> Shard:
     writer = await hot.reserve(sid, info(name or sid, version), wait_s=0)
+    hot.check()
     await writer.write((BODY,))
+    hot.check()
     return await writer.publish()
 
 
@@ -89,16 +91,20 @@ async def test_bytes_are_accounted_from_reservation_to_publication_and_abort(
     # The disk's room: the tier's own bytes on it, plus the free space, less min_free.
     assert hot.look_at_disk() == 10**6 - 1000
     writer = await hot.reserve("a", info("a"), wait_s=0)
+    hot.check()
     st = hot.stats()
     assert (st.used_bytes, st.fetching, st.shards) == (NEED, 1, 0)
     assert hot.look_at_disk() == 10**6 - 1000  # reserved, nothing on the disk yet
     await writer.write((BODY[:1000],))
+    hot.check()
     assert writer.bytes_written == 1000
     assert hot.look_at_disk() == 10**6 - 1000 + 1000  # 1000 bytes of ours on the disk
     await writer.write((BODY[1000:],))
+    hot.check()
     assert writer.bytes_written == len(BODY)
     assert hot.look_at_disk() == 10**6 - 1000 + len(BODY)
     shard = await writer.publish()
+    hot.check()
     size = len(BODY) + (tmp_path / "a.idx").stat().st_size
     assert shard.reserved_bytes == size and shard.state is ShardState.READY
     assert (shard.version, shard.info) == ("v1", info("a"))
@@ -108,12 +114,17 @@ async def test_bytes_are_accounted_from_reservation_to_publication_and_abort(
     assert list(hot.policy.victims()) == ["a"]
     # Downloads given up give their reservations back, and leave no file.
     writer = await hot.reserve("b", info("b"), wait_s=0)
+    hot.check()
     other = await hot.reserve("c", info("c"), wait_s=0)
+    hot.check()
     assert hot.stats().used_bytes == size + 2 * NEED
     assert hot.look_at_disk() == 10**6 - 1000 + size  # neither has written yet
     await writer.write((BODY[:500],))
+    hot.check()
     writer.abort()
+    hot.check()
     other.abort()
+    hot.check()
     st = hot.stats()
     assert (st.used_bytes, st.fetching, st.shards) == (size, 0, 1)
     assert hot.look_at_disk() == 10**6 - 1000 + size
@@ -127,22 +138,29 @@ async def test_bytes_are_accounted_from_reservation_to_publication_and_abort(
 async def test_a_reservation_that_exactly_fits_is_made(tmp_path: Path, disk: Disk) -> None:
     hot = HotTier(tmp_path, NEED, 0, LRUPolicy())
     writer = await hot.reserve("a", info("a"), wait_s=0)
+    hot.check()
     with pytest.raises(CacheFull, match="1 being fetched"):
         await hot.reserve("b", info("b"), wait_s=0)
+        hot.check()
     writer.abort()
+    hot.check()
     # The file system's size bounds it too: exactly its size less min_free fits.
     disk.total = NEED + 100
     hot = HotTier(tmp_path, 10**9, 100, LRUPolicy())
     (await hot.reserve("a", info("a"), wait_s=0)).abort()
+    hot.check()
     hot.min_free_bytes = 101
     with pytest.raises(CacheFull, match="on the file system"):
         await hot.reserve("a", info("a"), wait_s=0)
+        hot.check()
 
 
 async def test_a_reservation_waits_its_wait_s_for_a_pin_to_go(tmp_path: Path, disk: Disk) -> None:
     hot = HotTier(tmp_path, 10**9, 0, LRUPolicy())  # pin_wait_s: 30 s by default
     shard = await publish(hot, "a")
+    hot.check()
     hot.pin(shard)
+    hot.check()
     fit(hot, NEED - 1)
     # wait_s=0: at once, not after pin_wait_s.
     with pytest.raises(CacheFull):
@@ -151,6 +169,7 @@ async def test_a_reservation_waits_its_wait_s_for_a_pin_to_go(tmp_path: Path, di
     async def unpin_soon() -> None:
         await asyncio.sleep(0.05)
         hot.unpin(shard)
+        hot.check()
 
     task = asyncio.create_task(unpin_soon())
     started = asyncio.get_running_loop().time()
@@ -160,35 +179,47 @@ async def test_a_reservation_waits_its_wait_s_for_a_pin_to_go(tmp_path: Path, di
     await task
     assert hot.get("a", access=False) is None  # evicted once its reader let go
     writer.abort()
+    hot.check()
 
 
 async def test_pins_count_and_their_bytes_are_accounted_once(tmp_path: Path, disk: Disk) -> None:
     hot = HotTier(tmp_path, 10**9, 0, LRUPolicy())
     a = await publish(hot, "a")
+    hot.check()
     b = await publish(hot, "b", "a-longer-name")
+    hot.check()
     assert a.reserved_bytes != b.reserved_bytes
     hot.pin(a)
+    hot.check()
     hot.pin(a)
+    hot.check()
     assert a.pins == 2 and hot.pinned_total == a.reserved_bytes == a.pinned_bytes
     assert hot.stats().pinned == 1
     hot.unpin(a)
+    hot.check()
     assert a.pins == 1 and hot.pinned_total == a.reserved_bytes
     hot.pin(b)
+    hot.check()
     assert hot.pinned_total == a.reserved_bytes + b.reserved_bytes
     assert hot.pinned_bytes(set()) == a.reserved_bytes + b.reserved_bytes
     assert hot.pinned_bytes({b.url}) == a.reserved_bytes
     hot.unpin(a)
+    hot.check()
     assert a.pins == 0 and a.pinned_bytes == 0 and hot.pinned_total == b.reserved_bytes
     hot.unpin(a)  # one too many: no harm
+    hot.check()
     assert a.pins == 0 and hot.pinned_total == b.reserved_bytes
     assert hot.stats().pinned == 1 and hot.pinned_bytes(set()) == b.reserved_bytes
     writer = await hot.reserve("c", info("c"), wait_s=0)
+    hot.check()
     assert {s.shard_id for s in hot.resident()} == {"a", "b"}  # not the one in flight
     # A pinned shard is never evicted; the unpinned one goes.
     fit(hot, 0)
     writer.abort()
+    hot.check()
     fit(hot, NEED - 1)
     (await hot.reserve("d", info("d"), wait_s=0)).abort()
+    hot.check()
     assert hot.get("a", access=False) is None and hot.get("b", access=False) is b
 
 
@@ -199,13 +230,16 @@ async def test_eviction_follows_the_policy_and_a_look_is_not_a_use(
     hot = HotTier(tmp_path, 10**9, 0, LRUPolicy(), on_evict=lambda s: evicted.append(s.shard_id))
     for sid in ("a", "b", "c"):
         await publish(hot, sid)
+        hot.check()
     assert hot.get("a") is not None  # a use: a is the newest now
     fit(hot, NEED - 1)
     await publish(hot, "d")
+    hot.check()
     assert evicted == ["b"]
     assert hot.get("c", access=False) is not None  # a look: c stays the oldest
     fit(hot, NEED - 1)
     await publish(hot, "e")
+    hot.check()
     assert evicted == ["b", "c"]
     assert hot.latest("s3://b/b.tar") is None and hot.latest("s3://b/a.tar") is not None
     assert sorted(hot.policy.victims()) == ["a", "d", "e"]
@@ -220,8 +254,11 @@ async def test_evicted_bytes_count_as_free_until_their_file_is_unlinked(
     disk.free = 10**6
     hot = HotTier(tmp_path, 10**9, 0, LRUPolicy())
     a = await publish(hot, "a")
+    hot.check()
     await publish(hot, "b")
+    hot.check()
     await publish(hot, "c")
+    hot.check()
     room = hot.look_at_disk()
     assert room < 10**9  # the disk's room, not the capacity
     # The disk was found full: evict so that the download fits twice over.
@@ -245,22 +282,29 @@ async def test_a_new_version_replaces_the_old_one_unless_a_reader_holds_it(
     evicted: list[str] = []
     hot = HotTier(tmp_path, 10**9, 0, LRUPolicy(), on_evict=lambda s: evicted.append(s.shard_id))
     old = await publish(hot, "old", "u", "v1")
+    hot.check()
     new = await publish(hot, "new", "u", "v2")
+    hot.check()
     assert evicted == ["old"] and hot.latest("s3://b/u.tar") is new
     assert hot.stats().used_bytes == new.reserved_bytes
     assert not (tmp_path / "old.tar").exists()
     # A held version stays (its reader goes on with it); new opens get the newest.
     hot.pin(new)
+    hot.check()
     newer = await publish(hot, "newer", "u", "v3")
+    hot.check()
     assert hot.get("new", access=False) is new and hot.latest("s3://b/u.tar") is newer
     hot.unpin(new)
+    hot.check()
     assert old.state is ShardState.READY  # untouched, only forgotten
     # An unrelated URL is no replacement.
     await publish(hot, "other", "w", "v1")
+    hot.check()
     assert evicted == ["old"]
     # Evicting the held version leaves the newest one current.
     fit(hot, NEED - 1)
     (await hot.reserve("next", info("next"), wait_s=0)).abort()
+    hot.check()
     assert evicted == ["old", "new"] and hot.latest("s3://b/u.tar") is newer
 
 
@@ -268,9 +312,13 @@ def test_a_restart_reloads_shards_drops_leftovers_and_keeps_one_version(tmp_path
     async def fill() -> dict[str, Shard]:
         hot = HotTier(tmp_path, 10**9, 0, LRUPolicy())
         older = await publish(hot, "b-older", "u", "v1")
+        hot.check()
         hot.pin(older)  # both versions stay on disk
+        hot.check()
         newer = await publish(hot, "a-newer", "u", "v2")
+        hot.check()
         other = await publish(hot, "c", "w", "v1")
+        hot.check()
         return {"older": older, "newer": newer, "other": other}
 
     before = asyncio.run(fill())
@@ -317,26 +365,32 @@ async def test_prefetch_evicts_only_what_is_needed_later_and_enough(
     # Z: no plan names it. Room after two evictions: Z and F (needed last); E is kept.
     fit(hot, NEED - size["Z"] - size["F"])
     (await hot.reserve("C", info("C"), prefetch=True)).abort()
+    hot.check()
     assert {s.shard_id for s in hot.resident()} == {"B", "E"}
     # F comes after both: it may not take E's place, nor B's; nothing is evicted.
     fit(hot, NEED - 1)
     with pytest.raises(NotAdmitted):
         await hot.reserve("F", info("F"), prefetch=True)
+        hot.check()
     assert {s.shard_id for s in hot.resident()} == {"B", "E"}
     # A (being read) may take both, but B is pinned and E alone is not enough.
     b = hot.get("B", access=False)
     assert b is not None
     hot.pin(b)
+    hot.check()
     fit(hot, NEED - size["E"] - 1)
     with pytest.raises(NotAdmitted):
         await hot.reserve("A", info("A"), prefetch=True)
+        hot.check()
     assert {s.shard_id for s in hot.resident()} == {"B", "E"}
     fit(hot, NEED - size["E"])  # E's room is enough now
     writer = await hot.reserve("A", info("A"), prefetch=True)
+    hot.check()
     assert {s.shard_id for s in hot.resident()} == {"B"}
     assert writer.shard.info == info("A") and writer.shard.shard_id == "A"
     assert hot.get("A", access=False) is None and hot.stats().fetching == 1
     writer.abort()
+    hot.check()
 
 
 async def test_a_copy_fetched_again_after_corruption_starts_afresh(
@@ -346,6 +400,7 @@ async def test_a_copy_fetched_again_after_corruption_starts_afresh(
     found: list[tuple[Shard, str]] = []
     hot.on_corrupt(lambda shard, where: found.append((shard, where)))
     shard = await publish(hot, "a")
+    hot.check()
     place = hot.locate(shard)
     st = (tmp_path / "a.tar").stat()
     assert place == {
@@ -356,35 +411,48 @@ async def test_a_copy_fetched_again_after_corruption_starts_afresh(
         "algorithm": ALGORITHM,
     }
     hot.pin(shard)
+    hot.check()
     shard.verified = False  # as a shard reloaded at start
     hot.drop_corrupt(shard, "test", "check")
+    hot.check()
     hot.drop_corrupt(shard, "test", "check")  # already gone: counted once
+    hot.check()
     assert hot.corrupt_found == 1 and found == [(shard, "check")]
     assert hot.stats().used_bytes == 0
     writer = await hot.reserve("a", info("a", "v1"), wait_s=0)
+    hot.check()
     assert writer.shard is shard and shard.pins == 1 and shard.generation == 1
     assert shard.state is ShardState.FETCHING and shard.verified
     assert (shard.index, shard.checksum, shard.location) == (None, None, None)
     assert shard.info == info("a")
     writer.abort()  # given up: the readers' copy is still theirs
+    hot.check()
     writer = await hot.reserve("a", info("a", "v1"), wait_s=0)
+    hot.check()
     assert writer.shard is shard and shard.generation == 2
     await writer.write((BODY,))
+    hot.check()
     await writer.publish()
+    hot.check()
     assert hot.locate(shard)["ino"] == (tmp_path / "a.tar").stat().st_ino
     assert hot.stats().used_bytes == shard.reserved_bytes
     hot.drop_corrupt(shard, "test", "read")
+    hot.check()
     assert hot.corrupt_found == 2 and found[-1] == (shard, "read")
     hot.unpin(shard)  # the last reader let go: the next download is a new shard
+    hot.check()
     writer = await hot.reserve("a", info("a", "v1"), wait_s=0)
+    hot.check()
     assert writer.shard is not shard and writer.shard.generation == 0
     writer.abort()
+    hot.check()
 
 
 async def test_needs_check_and_locate_without_read_checks(tmp_path: Path, disk: Disk) -> None:
     hot = HotTier(tmp_path, 10**9, 0, LRUPolicy())
     checks = Checks(hot)
     shard = await publish(hot, "a")
+    hot.check()
     assert not checks.needs_check(shard)
     shard.verified = False  # reloaded, not read back yet: every read checks its members
     assert not checks.needs_check(shard)
@@ -408,7 +476,9 @@ async def test_a_shared_tier_is_readable_by_the_group(tmp_path: Path, disk: Disk
     mode("a.tar", where, 0o600)  # written while local reads were off
     hot = HotTier(where, 10**9, 0, LRUPolicy(), shared=True)
     hot.load()
+    hot.check()
     await publish(hot, "b")
+    hot.check()
     assert mode(".", where) == SHARED_DIR_MODE
     assert mode("a.tar", where) == mode("b.tar", where) == SHARED_FILE_MODE
 

@@ -96,6 +96,7 @@ async def running_fetcher(
 ) -> AsyncIterator[Fetcher]:
     hot = HotTier(tmp_path / "hot", 1 << 30, 0, LRUPolicy())
     hot.load()
+    hot.check()
     fetcher = Fetcher(chain, hot, concurrency, Metrics())
     try:
         yield fetcher

@@ -135,6 +135,7 @@ def epoch_gets(
             ds.set_epoch(epoch)
             assert len(keys(ds)) == len(urls) * 8
             per_epoch.append(s3.count("GET", bucket) - before)
+            d.call(d.daemon.hot.check)
             assert d.call(d.daemon.hot.stats).used_bytes <= capacity
     return per_epoch
 
@@ -214,6 +215,7 @@ def test_a_small_jobs_demand_misses_stay_fast_while_a_big_job_prefetches(
         reader.start()
         # Wait until the big job's prefetches fill their download slots.
         deadline = time.monotonic() + 10
+        d.call(d.daemon.hot.check)
         while d.call(d.daemon.hot.stats).fetching < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         shared_s = small_job(small[1])  # the same, while the big job prefetches 9.6 MB
@@ -413,8 +415,11 @@ async def test_a_shard_a_reader_waits_for_is_spared_until_it_is_pinned(tmp_path:
 
     async def publish(name: str) -> None:
         writer = await hot.reserve(name, info(name))
+        hot.check()
         await writer.write((body,))
+        hot.check()
         await writer.publish()
+        hot.check()
 
     # Room for one reservation and one resident shard (its tar and a sidecar of some
     # 600 bytes), not two: each new reservation has to evict.
@@ -424,20 +429,27 @@ async def test_a_shard_a_reader_waits_for_is_spared_until_it_is_pinned(tmp_path:
     await publish("other")
     with hot.wanted("waited"):
         writer = await hot.reserve("next", info("next"))
+        hot.check()
         assert hot.get("waited", access=False) is not None
         assert hot.get("other", access=False) is None  # the room came from this one
         await writer.write((body,))
+        hot.check()
         await writer.publish()
+        hot.check()
         # Only the waited-for shard is left to evict: a reservation waits rather than
         # take it, and then says the tier is full.
         hot.pin(hot.get("next"))
+        hot.check()
         with pytest.raises(CacheFull):
             await hot.reserve("last", info("last"))
+        hot.check()
         assert hot.get("waited", access=False) is not None
     # The reader gave up without pinning it: it is evictable again.
     writer = await hot.reserve("last", info("last"))
+    hot.check()
     assert hot.get("waited", access=False) is None
     writer.abort()
+    hot.check()
 
 
 def test_a_killed_readers_plan_is_dropped_after_the_timeout(

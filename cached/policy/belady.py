@@ -42,6 +42,7 @@ class BeladyPolicy:
         )
         return iter([sid for _, _, sid in ranked])
 
+    # I28: prefetch never evicts a sooner need.
     def admits(self, url: str, victim: str) -> bool:
         """A prefetch of ``url`` may displace ``victim`` only if the victim is needed later
         (or by no plan at all): prefetching cannot evict what is read sooner, so it cannot

@@ -36,6 +36,7 @@ class Checks:
         self._writes: set[asyncio.Task[None]] = set()
         self._stop = threading.Event()
 
+    # I18: a reloaded shard whose sidecar predates checksums is checked before it is served.
     def needs_check(self, shard: Shard) -> bool:
         """Whether ``shard`` must pass :meth:`verify` before it is served: a reloaded shard
         not yet read back, unless every read checks its members anyway."""
@@ -83,6 +84,7 @@ class Checks:
         shard.verified = True
         return True
 
+    # I18: every reloaded shard is read back and checked.
     async def verify_all(self) -> None:
         """Check every shard reloaded at start, one after another, off the event loop.
 

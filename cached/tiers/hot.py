@@ -19,49 +19,62 @@ would be SIGBUS. Shards reloaded at start are also read back whole, in the
 background (:mod:`.checks`, which uses this tier and is not used by it); one whose sidecar
 predates checksums is checked before it is first served.
 
-Shard states and transitions (only the event loop thread changes them)::
-
-    absent --reserve()--> FETCHING --publish()--> READY --evict()--> absent
-                              \\--abort()--> absent
-    READY --drop_corrupt()--> absent (a read or a check found it rotten)
-
-Bytes are accounted when reserved, before a download starts, so the directory never
-holds more than :attr:`HotTier.capacity_bytes`, the disk as it is: the smaller of
-``[cache] capacity`` and what the file system has room for (the tier's own bytes and the
-free space, less ``[cache] min_free``), looked up again as other programs fill or free
-the disk. Too little room evicts by the policy; reservation waits only for readers to
-release pins (or the disk to free up), and fails with :class:`CacheFull` when they do not
-within the timeout. An evicted file leaves the disk when its worker thread has unlinked
-it: a reservation that needs those bytes waits for that as well, to a deadline of its own
-(:mod:`.waits`: every wait is bounded and counted).
-A write that still finds the disk full (ENOSPC) removes its partial file; the fetcher
-evicts and fetches again.
+The tier is in rooms: the shard record and its states (:mod:`.shard`), the space
+accounting (:mod:`.space`), reservations and eviction (:mod:`.room`), the tier's side of a
+write (:mod:`.shardwriter`), and the invariants :meth:`HotTier.check` asserts
+(:mod:`.invariants`). This room holds the tier itself: start, lookup, pins, reads and the
+drop of corrupt copies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
-import os
 import secrets
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CacheError, CacheFull, NeverFits
+from ..errors import CacheError
 from ..policy import EvictionPolicy
-from ..sources.base import ObjectInfo
-from .index import Member, ShardIndex
+from . import invariants
+from .index import Member
 from .openfiles import OpenFiles
 from .pread import read_members
+from .room import Room
+from .shard import (
+    EVICTED_SUFFIX,
+    SHARED_DIR_MODE,
+    SHARED_FILE_MODE,
+    HotStats,
+    NotAdmitted,
+    Shard,
+    ShardCorrupt,
+    ShardState,
+    reservation_bytes,
+)
+from .shardwriter import ShardWriter
 from .sidecar import Sidecar
-from .waits import ROOM, UNLINK, OnWait, Waits
-from .writer import ShardFiles
+from .space import DISK_LOOK_S
+from .waits import OnWait
+
+__all__ = [
+    "DISK_LOOK_S",
+    "EVICTED_SUFFIX",
+    "SHARED_DIR_MODE",
+    "SHARED_FILE_MODE",
+    "THREAD_CHECK_BYTES",
+    "HotStats",
+    "HotTier",
+    "NotAdmitted",
+    "Shard",
+    "ShardCorrupt",
+    "ShardState",
+    "ShardWriter",
+    "reservation_bytes",
+]
 
 log = logging.getLogger(__name__)
 # Runs ``fn(*args)`` in a worker thread (HotTier.read).
@@ -71,90 +84,9 @@ OffLoop = Callable[..., Awaitable[Any]]
 # A read whose members add up to this many bytes is checked in a worker thread (xxhash
 # releases the GIL) rather than on the event loop, which serves everyone else meanwhile.
 THREAD_CHECK_BYTES = 8 << 20
-# An evicted shard's data file, renamed to this while a worker thread unlinks it.
-EVICTED_SUFFIX = ".evicted"
-# With local reads: the daemon's group may list the directory and read the shard files.
-SHARED_DIR_MODE = 0o750
-SHARED_FILE_MODE = 0o640
-# How stale the disk's free space may be outside eviction passes (which look afresh), and
-# how often a reservation waiting for room looks again: other programs free the disk
-# without telling us.
-DISK_LOOK_S = 1.0
 
 
-def reservation_bytes(size: int) -> int:
-    """What a download of ``size`` bytes reserves in the hot tier: the shard and a margin
-    for its index sidecar (settled to the real size at publication)."""
-    return size + size // 16 + 65536
-
-
-class NotAdmitted(Exception):
-    """A prefetch would have to evict a shard needed sooner than the one it brings."""
-
-
-class ShardCorrupt(CacheError):
-    """A shard's bytes in the hot tier no longer match their checksums. The hot tier has
-    dropped it; fetching it again (:meth:`Fetcher.ensure`) brings a good copy."""
-
-
-class ShardState(enum.Enum):
-    """Where a shard is in its life in the hot tier."""
-
-    FETCHING = "fetching"
-    READY = "ready"
-
-
-@dataclass
-class Shard:
-    """A shard resident (READY) or being written (FETCHING) in the hot tier."""
-
-    shard_id: str
-    url: str
-    version: str
-    reserved_bytes: int
-    state: ShardState = ShardState.FETCHING
-    index: ShardIndex | None = None
-    pins: int = 0
-    pinned_bytes: int = 0  # what HotTier.pinned_total counts for it while pinned
-    # The object as the store described it (persisted: a restart can serve the shard
-    # while the store is unreachable). None for shards from sidecars that predate it.
-    info: ObjectInfo | None = None
-    checksum: int | None = None  # of the whole file (None: an old sidecar's shard)
-    # False for a shard reloaded at start until its file has been read back and checked.
-    verified: bool = True
-    published: float = 0.0  # Unix time
-    # Where local readers find the published file (HotTier.locate), made once per copy.
-    location: dict[str, Any] | None = None
-    # Counts renewals: a check that ran on an earlier copy does not judge the current one.
-    generation: int = 0
-
-    def renew(self, reserved_bytes: int, info: ObjectInfo) -> None:
-        """Start over as a fresh download of the same shard (after a copy was found
-        corrupt): the same object keeps the readers' pins."""
-        self.generation += 1
-        self.reserved_bytes = reserved_bytes
-        self.info = info
-        self.state = ShardState.FETCHING
-        self.index = None
-        self.checksum = None
-        self.verified = True
-        self.location = None
-
-
-@dataclass(frozen=True)
-class HotStats:
-    """A snapshot of the hot tier for status and metrics."""
-
-    shards: int
-    used_bytes: int
-    capacity_bytes: int  # [cache] capacity
-    effective_bytes: int  # the bound kept now: the capacity, or less where the disk has less
-    pinned: int
-    fetching: int
-    unverified: int = 0  # reloaded shards whose file has not been read back yet
-
-
-class HotTier:
+class HotTier(Room):
     """The bounded shard store. All methods run on the event loop thread.
 
     ``verify_reads`` checks every member's checksum before its bytes are served
@@ -234,7 +166,7 @@ class HotTier:
             self.dir.chmod(SHARED_DIR_MODE)
         for path in self.dir.iterdir():
             # Downloads cut off, and evicted files a stop left before they were unlinked.
-            if path.name.endswith((".partial", EVICTED_SUFFIX)):
+            if path.name.endswith((".partial", EVICTED_SUFFIX)):  # I15
                 path.unlink(missing_ok=True)
         for idx_path in sorted(self.dir.glob("*.idx")):
             shard_id = idx_path.stem
@@ -266,32 +198,13 @@ class HotTier:
             )
             self._shards[shard_id] = shard
             self._used += size
-            self.policy.on_insert(shard_id, car.url)
+            self.policy.on_insert(shard_id, car.url)  # I16
             self._adopt(shard)
         for tar in self.dir.glob("*.tar"):
             if tar.stem not in self._shards:
                 tar.unlink(missing_ok=True)
-        self._make_room(0)
+        self._make_room(0)  # I1: shards past a lowered capacity go
         return len(self._shards)
-
-    def _adopt(self, shard: Shard) -> None:
-        """Make a READY shard its URL's current one. Each URL keeps one version: an older
-        one (the object was replaced, or a cold copy was promoted) is not served to new
-        opens again, so it goes now rather than when eviction gets to it; one that
-        readers still hold stays until eviction reaches it, or the next start."""
-        previous = self._shards.get(self._by_url.get(shard.url, ""))
-        if previous is not None and previous is not shard:
-            if previous.published > shard.published:
-                shard, previous = previous, shard
-            if previous.pins == 0:
-                log.info(
-                    "dropping %s version %s: version %s replaces it",
-                    shard.url,
-                    previous.version,
-                    shard.version,
-                )
-                self._evict(previous)
-        self._by_url[shard.url] = shard.shard_id
 
     # -- lookup ----------------------------------------------------------------------------
 
@@ -299,7 +212,7 @@ class HotTier:
         """The READY shard with this id, or None. Counts as an access for the policy
         unless ``access`` is false (a look, not a use)."""
         shard = self._shards.get(shard_id)
-        if shard is None or shard.state is not ShardState.READY:
+        if shard is None or shard.state is not ShardState.READY:  # I14: never a partial
             return None
         if access:
             self.policy.on_access(shard_id)
@@ -345,7 +258,7 @@ class HotTier:
         """A reader holds the shard: it cannot be evicted until :meth:`unpin`."""
         if shard.pins == 0:
             shard.pinned_bytes = shard.reserved_bytes
-            self._pinned_total += shard.pinned_bytes
+            self._pinned_total += shard.pinned_bytes  # I10: once per shard
         shard.pins += 1
 
     @property
@@ -359,6 +272,7 @@ class HotTier:
         ``if_resident``): always once a reader holds it; otherwise only while pins hold
         at most half the tier, so that readers' pins ahead never leave too little room
         for the shards they wait for."""
+        # I67: pins ahead hold at most half the tier.
         return bool(shard.pins) or self._pinned_total + shard.reserved_bytes <= (
             self.capacity_bytes // 2
         )
@@ -371,7 +285,7 @@ class HotTier:
         publication could evict it first, the reader fetch it again, and so on (a
         livelock seen with two readers on a tier of six shards). The reader must pin what
         it gets before it leaves the block, with no await in between."""
-        self._wanted[shard_id] += 1
+        self._wanted[shard_id] += 1  # I11: spared until the reader pins it
         try:
             yield
         finally:
@@ -383,7 +297,7 @@ class HotTier:
     def unpin(self, shard: Shard) -> None:
         """Release one pin; wakes reservations waiting for room."""
         if shard.pins == 1:
-            self._pinned_total -= shard.pinned_bytes
+            self._pinned_total -= shard.pinned_bytes  # I10
             shard.pinned_bytes = 0
         shard.pins = max(0, shard.pins - 1)
         if shard.pins == 0:
@@ -432,7 +346,7 @@ class HotTier:
             why = f"member .{bad.ext} at byte {bad.offset} ({bad.size} bytes) fails its checksum"
             found = "read"
         if shard.generation == generation:  # else another read dropped that copy
-            self.drop_corrupt(shard, why, found)
+            self.drop_corrupt(shard, why, found)  # I17: rotten bytes are never served
         raise ShardCorrupt(f"{shard.url}: {why} in the hot tier; fetch it again")
 
     def drop_corrupt(self, shard: Shard, why: str, found: str) -> None:
@@ -450,7 +364,7 @@ class HotTier:
         )
         self._remove(shard)
         if shard.pins:
-            self._orphans[shard.shard_id] = shard
+            self._orphans[shard.shard_id] = shard  # I12: the readers' pins carry over
         for listener in self._on_corrupt:
             listener(shard, found)
 
@@ -459,17 +373,6 @@ class HotTier:
         its sidecar was written again. Its reservation and the tier's bytes follow."""
         shard.reserved_bytes += delta_bytes
         self._used += delta_bytes
-
-    async def changed(self, timeout_s: float) -> None:
-        """Wait until a shard is published, evicted or unpinned, an evicted file is
-        unlinked, or ``timeout_s`` passes."""
-        waiter = asyncio.ensure_future(self._change.wait())
-        try:
-            # asyncio.wait, not wait_for: it neither swallows a cancel of this task nor
-            # cancels the waiter at the timeout (3.11).
-            await asyncio.wait({waiter}, timeout=timeout_s)
-        finally:
-            waiter.cancel()
 
     def pinned_bytes(self, except_urls: set[str]) -> int:
         """Bytes held by pinned shards (readers hold them), but those of ``except_urls``."""
@@ -481,368 +384,9 @@ class HotTier:
         """Every shard that is published (READY), in no particular order."""
         return (s for s in self._shards.values() if s.state is ShardState.READY)
 
-    def stats(self) -> HotStats:
-        """A snapshot for status and metrics."""
-        shards = self._shards.values()
-        return HotStats(
-            shards=sum(s.state is ShardState.READY for s in shards),
-            used_bytes=self._used,
-            capacity_bytes=self.configured_bytes,
-            effective_bytes=self.capacity_bytes,
-            pinned=sum(s.pins > 0 for s in shards),
-            fetching=sum(s.state is ShardState.FETCHING for s in shards),
-            unverified=sum(not s.verified for s in shards),
-        )
-
-    # -- writing -----------------------------------------------------------------------------
-
-    async def reserve(
-        self,
-        shard_id: str,
-        info: ObjectInfo,
-        *,
-        prefetch: bool = False,
-        wait_s: float | None = None,
-        unlink_wait_s: float | None = None,
-    ) -> ShardWriter:
-        """Account room for the object ``info`` describes, evicting others, and open its
-        writer.
-
-        Waits up to ``wait_s`` (default ``pin_wait_s``; 0: not at all) for pinned or
-        in-flight shards, or the disk, to make room, and up to ``unlink_wait_s`` (default
-        ``pin_wait_s``: not a wait on readers) for evicted files to leave the disk;
-        raises :class:`CacheFull` after that, or :class:`NeverFits` at once when the
-        shard can never fit (the capacity, or the whole file system less ``min_free``, is
-        smaller). Each wait is reported (:mod:`.waits`).
-
-        A ``prefetch`` waits for no reader and evicts only what the policy admits (shards
-        needed later than this one); it raises :class:`NotAdmitted` without evicting
-        anything when that is not enough, or when the files it evicted are not unlinked
-        within ``pin_wait_s``.
-        """
-        url, size = info.url, info.size
-        need = reservation_bytes(size)
-        if need > self.configured_bytes:
-            raise NeverFits(
-                f"{url} ({size} bytes) is larger than the hot tier's capacity "
-                f"({self.configured_bytes} bytes); raise [cache] capacity"
-            )
-        st = os.statvfs(self.dir)
-        if need > st.f_blocks * st.f_frsize - self.min_free_bytes:
-            raise NeverFits(
-                f"no room for {url} ({size} bytes) on the file system holding the hot tier "
-                f"({self.dir}: {st.f_blocks * st.f_frsize} bytes in all, less [cache] "
-                f"min_free {self.min_free_bytes}); lower min_free or use a larger disk"
-            )
-        now = time.monotonic()
-        wait_s = self.pin_wait_s if wait_s is None or prefetch else wait_s
-        unlink_s = self.pin_wait_s if unlink_wait_s is None else unlink_wait_s
-        waits = Waits({ROOM: now + wait_s, UNLINK: now + unlink_s}, lambda: self._on_wait)
-        while True:
-            if prefetch:
-                victims = self._admitted_victims(url, need)
-                if victims is None:
-                    raise NotAdmitted(url)
-                for victim in victims:
-                    self._evict(victim)
-            if prefetch or self._make_room(need):
-                if self._fits_on_disk(need):
-                    waits.done()
-                    return self._open_writer(shard_id, info, need)
-                if waits.left(UNLINK) <= 0:
-                    waits.done(timed_out=UNLINK)
-                    if prefetch:
-                        raise NotAdmitted(url)
-                    raise CacheFull(
-                        f"no room for {url} ({size} bytes) yet: {self._unlinking} bytes of "
-                        "evicted shards are still being unlinked (a slow disk, or the "
-                        "daemon's worker threads busy); raise [cache] pin_wait_s"
-                    )
-                # Room once the evicted files are unlinked (their worker thread wakes it).
-                await waits.wait(UNLINK, self.changed, DISK_LOOK_S)
-                continue
-            left = waits.left(ROOM)
-            if left <= 0:
-                waits.done(timed_out=ROOM)
-                stats = self.stats()
-                disk = (
-                    f" (the disk has room for {stats.effective_bytes} of [cache] capacity "
-                    f"{stats.capacity_bytes} above [cache] min_free; other programs fill it)"
-                    if stats.effective_bytes < stats.capacity_bytes
-                    else ""
-                )
-                raise CacheFull(
-                    f"no room for {url} ({size} bytes): {stats.used_bytes} of "
-                    f"{stats.effective_bytes} bytes are held{disk}, {stats.pinned} shards "
-                    f"pinned by readers, {stats.fetching} being fetched; raise [cache] "
-                    "capacity or read with fewer streams"
-                )
-            # A publication, eviction or unpin wakes it; room freed on the disk by another
-            # program does not, so it looks again now and then.
-            await waits.wait(ROOM, self.changed, DISK_LOOK_S)
-
-    def disk_full(self, need: int) -> int:
-        """A write found the disk full (ENOSPC) although the tier had room for it as it
-        looked: another program took the space since, or the file system's own blocks did.
-        Its partial file is gone (:meth:`ShardWriter.abort`); evict by the policy so that
-        ``need`` bytes fit twice over (the second for what the accounting did not see), for
-        the download to start again. Returns the bytes evicted."""
-        before = self._used
-        self._make_room(2 * need)
-        return before - self._used
-
-    def _open_writer(self, shard_id: str, info: ObjectInfo, need: int) -> ShardWriter:
-        shard = self._orphans.pop(shard_id, None)
-        if shard is None:
-            shard = Shard(shard_id, info.url, info.version, need, info=info)
-        else:
-            shard.renew(need, info)
-        self._shards[shard_id] = shard
-        self._used += need
-        self._unwritten += need
-        return ShardWriter(self, shard)
-
-    def _admitted_victims(self, url: str, need: int) -> list[Shard] | None:
-        """The shards to evict, in policy order, so ``need`` bytes fit without evicting
-        one the policy does not admit; None when that is not possible."""
-        chosen: list[Shard] = []
-        freed = 0
-        self.look_at_disk()
-        if not self._short(need):
-            return chosen  # room as it is: no ranking (a sort of every resident shard)
-        for shard in self._evictable():
-            if not self._short(need - freed):
-                return chosen
-            if not self.policy.admits(url, shard.shard_id):
-                # Victims come in eviction order: the policy wants the rest kept even more.
-                return None
-            chosen.append(shard)
-            freed += shard.reserved_bytes
-        return None if self._short(need - freed) else chosen
-
-    def room_now(self, size: int) -> bool:
-        """Whether a download of ``size`` bytes would find room at once: the room free and
-        what eviction could free now (shards no reader holds or waits for), as the disk
-        has it. Evicts nothing."""
-        self.look_at_disk()
-        need = reservation_bytes(size)
-        if not self._short(need):
-            return True
-        return not self._short(need - sum(s.reserved_bytes for s in self._evictable()))
-
-    def _make_room(self, need: int) -> bool:
-        """Evict in policy order until ``need`` more bytes fit under the capacity as the
-        disk has it now. False when only pinned or in-flight shards are left."""
-        self.look_at_disk()  # once per pass, not per candidate
-        if not self._short(need):
-            return True
-        for shard in self._evictable():
-            self._evict(shard)
-            if not self._short(need):
-                return True
-        return False
-
-    def _evictable(self) -> Iterator[Shard]:
-        """READY shards no reader holds or waits for, in the policy's eviction order. One
-        ranking for the whole pass: the order of the others does not change as some are
-        evicted."""
-        for shard_id in self.policy.victims():
-            shard = self._shards.get(shard_id)
-            if (
-                shard is not None
-                and shard.state is ShardState.READY
-                and shard.pins == 0
-                and shard_id not in self._wanted
-            ):
-                yield shard
-
-    def _short(self, need: int) -> bool:
-        """Whether ``need`` more bytes pass the capacity as last looked at."""
-        return self._used + need > self._effective
-
-    def _fits_on_disk(self, need: int) -> bool:
-        """Whether ``need`` more bytes fit with the evicted files still being unlinked: an
-        eviction frees its bytes in the accounting at once (so no pass evicts more than it
-        needs), but they stay on the disk until the worker thread's unlink is done, and a
-        download may not start writing before (the hard bound)."""
-        return not self._short(need + self._unlinking)
-
-    @property
-    def capacity_bytes(self) -> int:
-        """The bound the tier keeps now (the effective capacity): the smaller of ``[cache]
-        capacity`` and what the file system holding it has room for (its own bytes and
-        the free space, less ``[cache] min_free``). At most :data:`DISK_LOOK_S` old;
-        every eviction pass looks afresh."""
-        if time.monotonic() - self._looked >= DISK_LOOK_S:
-            self.look_at_disk()
-        return self._effective
-
-    def look_at_disk(self) -> int:
-        """Look at the disk now (one statvfs): sets and returns :attr:`capacity_bytes`."""
-        st = os.statvfs(self.dir)
-        # The tier's bytes on the disk: its shards, what its downloads wrote so far (their
-        # reservations count the rest), and evicted files being unlinked. Eviction and
-        # writes move bytes between these and the free space; only other programs (and
-        # the file system's own blocks) change the sum.
-        ours = self._used - self._unwritten + self._unlinking
-        room = ours + st.f_bavail * st.f_frsize - self.min_free_bytes
-        self._effective = max(0, min(self.configured_bytes, room))
-        self._looked = time.monotonic()
-        return self._effective
-
-    def _evict(self, shard: Shard) -> None:
-        self._remove(shard)
-        if self._on_evict is not None:
-            self._on_evict(shard)
-
-    def _remove(self, shard: Shard) -> None:
-        self._shards.pop(shard.shard_id, None)
-        if self._by_url.get(shard.url) == shard.shard_id:
-            del self._by_url[shard.url]
-        self.policy.on_remove(shard.shard_id)
-        self._used -= shard.reserved_bytes
-        # Reads under way keep the file open (their descriptor outlives the unlink).
-        self._idx(shard.shard_id).unlink(missing_ok=True)
-        self._discard(self._tar(shard.shard_id), shard.reserved_bytes)
-        self.files.forget(shard.shard_id)
-        self._notify()
-
-    def _discard(self, path: Path, size: int) -> None:
-        """Remove a shard's data file without blocking the event loop: unlinking a file of
-        gigabytes takes the file system long enough to stall every client. A rename (O(1))
-        takes it out of the way, a worker thread unlinks it; :meth:`load` removes any that
-        a stop left. Without a running loop (:meth:`load` in a thread), it unlinks here."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            path.unlink(missing_ok=True)
-            return
-        evicted = path.with_name(path.name + EVICTED_SUFFIX)
-        try:
-            path.rename(evicted)
-        except FileNotFoundError:
-            return
-        self._unlinking += size
-
-        def unlinked(_done: object) -> None:
-            self._unlinking -= size
-            self._notify()  # a reservation may wait for these bytes to leave the disk
-
-        loop.run_in_executor(None, evicted.unlink, True).add_done_callback(unlinked)
-
-    def _notify(self) -> None:
-        """Wake every waiter of :meth:`changed` (they re-check what they wait for)."""
-        # Without a running loop in this thread (load() in a worker thread at start) nobody
-        # waits, and an asyncio.Event may only be set from its loop's thread.
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        self._change.set()
-        self._change = asyncio.Event()
-
-    def _tar(self, shard_id: str) -> Path:
-        return self.dir / f"{shard_id}.tar"
-
-    def _idx(self, shard_id: str) -> Path:
-        return self.dir / f"{shard_id}.idx"
-
-
-class ShardWriter:
-    """Writes one shard: bytes go to a partial file and through the tar indexer as they arrive.
-
-    The files are written by a :class:`.writer.ShardFiles`; this handle keeps the tier's
-    side: what the bytes have taken of the reservation, and the shard's publication
-    (FETCHING to READY) or abort.
-    """
-
-    def __init__(self, hot: HotTier, shard: Shard) -> None:
-        self.hot = hot
-        self.shard = shard
-        self._files = ShardFiles(hot._tar(shard.shard_id), hot._idx(shard.shard_id), shard.url)
-        self.bytes_written = 0
-        # Of the reservation, what has been taken off the tier's unwritten bytes (None
-        # once all of it has: published or aborted).
-        self._landed: int | None = 0
-
-    async def write(self, run: Sequence[bytes]) -> None:
-        """Append a run of chunks; disk, index and checksum work run off the event loop.
-        Bytes that are not a tar archive are dropped, and :meth:`publish` raises
-        NotATarError."""
-        await asyncio.to_thread(self._files.write, run)
-        self._account(sum(map(len, run)))
-
-    @property
-    def path(self) -> Path:
-        """The partial file: a source that writes the bytes itself (the native fetch
-        path) writes them here, then calls :meth:`publish` with ``written``."""
-        return self._files.partial
-
-    def _account(self, n: int) -> None:
-        """``n`` more bytes are on the disk: off the tier's unwritten bytes."""
-        self.bytes_written += n
-        if self._landed is not None:
-            n = min(n, self.shard.reserved_bytes - self._landed)
-            self._landed += n
-            self.hot._unwritten -= n
-
-    def _settle(self) -> None:
-        """The reservation is on the disk or given up: none of it is unwritten any more."""
-        if self._landed is not None:
-            self.hot._unwritten -= self.shard.reserved_bytes - self._landed
-            self._landed = None
-
-    async def rewind(self) -> None:
-        """Start again from byte 0: the source sends the whole object again (a body that
-        failed its checksum in transit). Keeps the reservation."""
-        await asyncio.to_thread(self._files.rewind)
-        self.bytes_written = 0
-        if self._landed is not None:
-            self.hot._unwritten += self._landed
-            self._landed = 0
-
-    async def publish(self, written: int | None = None) -> Shard:
-        """Finish the index, write the sidecar, then rename the shard into place atomically.
-
-        ``written``: the source wrote that many bytes into :attr:`path` itself (the native
-        fetch path); they are indexed and checksummed first, in one pass over the file in
-        the same worker thread. Raises NotATarError for bytes that are not a tar.
-        """
-        shard, hot = self.shard, self.hot
-        files = self._files
-        published = time.time()
-        mode = SHARED_FILE_MODE if hot.shared else None
-
-        def publish() -> tuple[ShardIndex, int, int]:
-            if written is not None:
-                files.scan()
-            return files.publish(shard.version, shard.info, published, mode)
-
-        if written is not None:
-            self._account(written)
-        index, shard.checksum, sidecar_bytes = await asyncio.to_thread(publish)
-        shard.published = published
-        shard.index = index
-        actual = index.size_bytes + sidecar_bytes
-        self._settle()
-        hot._used += actual - shard.reserved_bytes
-        shard.reserved_bytes = actual
-        shard.state = ShardState.READY
-        hot.policy.on_insert(shard.shard_id, shard.url)
-        hot._adopt(shard)
-        hot._notify()
-        return shard
-
-    def abort(self) -> None:
-        """Drop the partial file (and a sidecar written for it) and the reservation."""
-        self._files.discard()
-        self._settle()
-        hot = self.hot
-        if hot._shards.get(self.shard.shard_id) is self.shard:
-            if self.shard.state is ShardState.FETCHING:  # publish wrote it, then failed
-                hot._idx(self.shard.shard_id).unlink(missing_ok=True)
-            del hot._shards[self.shard.shard_id]
-            hot._used -= self.shard.reserved_bytes
-            if self.shard.pins:  # readers of a copy dropped as corrupt still hold it
-                hot._orphans[self.shard.shard_id] = self.shard
-            hot._notify()
+    def check(self) -> None:
+        """Assert the tier's invariants (docs/architecture.md, section 5), as SQLite's
+        ``assert_pager_state()`` does: raises AssertionError naming the first one that
+        fails. For tests, after each state change they drive; it walks every shard and
+        looks at their files, so the daemon never calls it."""
+        invariants.check(self)
