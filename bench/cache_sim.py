@@ -272,7 +272,7 @@ class VirtualClock:
 
 class SimCache:
     """A hot tier of ``capacity`` bytes without files: the daemon's accounting, pins and
-    eviction loop (:class:`cached.tiers.hot.HotTier`), around a real policy.
+    eviction loop (:class:`cached.hot.tier.HotTier`), around a real policy.
 
     ``on_evict(cache, shard_id)`` is called before every eviction (the tests' hook).
     """

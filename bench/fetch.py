@@ -211,7 +211,7 @@ def _awscrt(endpoint: str, dest: Path, indexed: bool = False) -> Fetch:
     )
 
     if indexed:  # bare awscrt imports and starts nothing more
-        from cached.tiers.scan import index_file
+        from cached.hot.scan import index_file
 
         # The daemon indexes in asyncio's default executor: as many threads (min(32,
         # cpus + 4)).

@@ -11,9 +11,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .hot.tier import HotTier, Shard
 from .lookups import Lookups
-from .sources.base import ObjectInfo
-from .tiers.hot import HotTier, Shard
+from .stores.base import ObjectInfo
 
 # How often a reader's open ahead looks whether the prefetcher started on its shard (or
 # on the GET that asks for its version).

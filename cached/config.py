@@ -192,7 +192,7 @@ class S3Config:
     retry_max_delay_s: float = 5.0
     verify_checksum: bool = True
     # Fetch shards with awscrt's S3 client, bytes straight from the socket to the hot
-    # tier's file (cached/sources/native.py, D42); false: aiobotocore streams them.
+    # tier's file (cached/stores/native.py, D42); false: aiobotocore streams them.
     native_fetch: bool = True
     # A native open of an object whose ETag is its MD5 also sends a HEAD for the store's
     # full-object checksum, and checks the bytes with it (0.05 ms of CPU per MB for a
@@ -203,7 +203,7 @@ class S3Config:
     revalidate_s: float = 60.0
     # This node's share of the store's request rate (requests/s, every GET part and HEAD
     # counted); 0: none, paced only once the store answers SlowDown. Either way a
-    # SlowDown halves the rate and successes raise it again (cached/sources/pacing.py).
+    # SlowDown halves the rate and successes raise it again (cached/stores/pacing.py).
     max_requests_per_s: float = 0.0
 
 

@@ -26,6 +26,7 @@ from .descriptors import FIXED_OVERHEAD, Budget, Limits, open_count, raise_soft_
 from .errors import CachedError
 from .fetcher import Fetcher
 from .history import History
+from .hot.tier import HotTier, Shard
 from .http import AdminHTTP
 from .jobs import JobBoard
 from .lock import DirLock
@@ -35,10 +36,9 @@ from .planner import Planner
 from .policy import make_policy
 from .prefetcher import Prefetcher
 from .server import Server
-from .sources.chain import TierChain
-from .sources.pacing import RequestPacer
+from .stores.chain import TierChain
+from .stores.pacing import RequestPacer
 from .systemd import Notifier
-from .tiers.hot import HotTier, Shard
 
 log = logging.getLogger(__name__)
 

@@ -26,14 +26,14 @@ from typing import Any, TypeVar, cast
 
 from .ahead import Opening, answered_soon, resident_soon
 from .errors import CachedError, CacheFull, FetchError
+from .hot.checks import Checks
+from .hot.tier import HotTier, NotAdmitted, Shard
 from .landing import Landing, SourceLike, shard_id
 from .lookups import Lookups
 from .metrics import Metrics
 from .once import seen
 from .slots import DEMAND, PREFETCH, Held, PrioritySlots
-from .sources.base import ObjectChanged, ObjectInfo
-from .tiers.checks import Checks
-from .tiers.hot import HotTier, NotAdmitted, Shard
+from .stores.base import ObjectChanged, ObjectInfo
 
 __all__ = [
     "AHEAD",
@@ -137,7 +137,7 @@ class Fetcher:
         return shard.info
 
     def _waited(self, wait: str, seconds: float, timed_out: bool) -> None:
-        """A reservation in the hot tier waited (:mod:`.tiers.waits`): counted."""
+        """A reservation in the hot tier waited (:mod:`.hot.waits`): counted."""
         self.metrics.hot_waits.labels(wait).observe(seconds)
         if timed_out:
             self.metrics.hot_wait_timeouts.labels(wait).inc()
@@ -152,6 +152,7 @@ class Fetcher:
         """The READY shard for this object, if the hot tier has it (a look, not a use)."""
         return self.hot.get(shard_id(info), access=False)
 
+    # I66: asks nothing of the store and fetches nothing.
     def resident_fresh(self, url: str) -> Shard | None:
         """The READY shard for ``url`` if the store's answer about it is young enough for
         an open (``[s3] revalidate_s``) and the hot tier has that version: what an open
@@ -186,6 +187,7 @@ class Fetcher:
             url, priority, attempt, revalidate=revalidate, deadline=deadline, give_way=give_way
         )
 
+    # I20: two versions never mix.
     async def _following_changes(
         self,
         url: str,
@@ -225,6 +227,7 @@ class Fetcher:
             return known
         if self.hot.latest(url) is not None or not self.lookups.health.reachable:
             return await self.lookups.get(url, revalidate=revalidate)
+        # I26: an open ahead never fetches by itself.
         if priority == AHEAD:
             info = await answered_soon(
                 self.lookups, self._opening, self.hot, url, deadline, revalidate=revalidate
@@ -236,6 +239,7 @@ class Fetcher:
             return await self.lookups.get(url, revalidate=revalidate)  # it will give way
         return await self._open(url, priority)
 
+    # I22: one GET per cold URL (the open's GET is the download's).
     async def _open(self, url: str, priority: int) -> ObjectInfo:
         """The object's description from the headers of a GET of it, which goes on to
         download the shard (:meth:`_fetch_opened`). One GET per URL at a time, however
@@ -309,6 +313,7 @@ class Fetcher:
         """Whether the running opening is to download ``sid`` from its GET's body: not
         when the hot tier has the shard (found by the version the GET gave) or another
         download of it is under way. If so, it is registered as that download."""
+        # I22: a copy already here costs no GET.
         if self.hot.get(sid, access=False) is not None:
             return False
         running = self._inflight.get(sid)
@@ -334,6 +339,7 @@ class Fetcher:
         sid = shard_id(info)
         # Spared by eviction from its publication until the caller pins it (no await
         # between our return and its pin), or it may be gone before the caller's turn.
+        # I11: the shard a reader waits for survives until it is pinned.
         with self.hot.wanted(sid):
             try:
                 return await self._bring_in(sid, info, priority, deadline, give_way)
@@ -417,6 +423,7 @@ class Fetcher:
         if info.url in self._opening:
             with contextlib.suppress(Exception):  # its failure is its own callers' to see
                 await self._open(info.url, priority)
+        # I21: one download per shard.
         task = self._inflight.get(sid)
         if task is None or task.done():  # done: its callback has not cleared it yet
             return self._start(sid, info, priority)

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Protocol
 
 from .errors import CachedError, CacheFull, FetchError
+from .hot.tier import HotTier, Shard, ShardWriter
 from .lookups import Lookups
 from .metrics import Metrics
 from .slots import PREFETCH, Held
-from .sources.base import ObjectChanged, ObjectInfo, Opened, Source
-from .sources.retry import StoreUnavailable
-from .tiers.hot import HotTier, Shard, ShardWriter
+from .stores.base import ObjectChanged, ObjectInfo, Opened, Source
+from .stores.retry import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 class SourceLike(Source, Protocol):
-    """What the fetcher needs of the remote tiers (``cached.sources.chain.TierChain``):
-    a :class:`~cached.sources.base.Source`, how long its answers hold, and promotion."""
+    """What the fetcher needs of the remote tiers (``cached.stores.chain.TierChain``):
+    a :class:`~cached.stores.base.Source`, how long its answers hold, and promotion."""
 
     @property
     def revalidate_s(self) -> float: ...
@@ -112,6 +112,7 @@ class Landing:
             self._promote(shard, info)
         return shard
 
+    # I25: the download slot is held for the GET, not the local work after it.
     async def _stream_in(
         self, sid: str, info: ObjectInfo, priority: int, held: Held, opened: Opened | None
     ) -> Shard:
@@ -149,6 +150,7 @@ class Landing:
                 if exc.errno not in _DISK_FULL or attempt == DISK_FULL_ATTEMPTS:
                     raise
                 self.metrics.fetches.labels(info.tier, "disk_full").inc()
+                # I7: ENOSPC evicts what it can and the shard is fetched again.
                 evicted = self.hot.disk_full(writer.shard.reserved_bytes)
                 log.warning(
                     "the disk holding the hot tier was full while %s was written (%s); "

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from cached_wire.layouts import pack as wire_pack
 
-from .tiers.index import Member, Sample, ShardIndex
+from .hot.index import Member, Sample, ShardIndex
 
 # Whole-shard layouts kept per resident shard (one per extension list asked for, the
 # last few): a client may ask for any number of lists, and each layout is about the size

@@ -11,7 +11,7 @@ import time
 from typing import cast
 
 from .bounds import Bounds
-from .tiers.hot import HotTier, Shard
+from .hot.tier import HotTier, Shard
 
 # A stream counts as live this long after its last read or open, lease or not: a reader
 # whose reads take whole shards at once holds each lease only for a moment.

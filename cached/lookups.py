@@ -28,9 +28,9 @@ from typing import Any
 
 from .errors import CachedError
 from .once import joined
-from .sources.base import ObjectInfo
-from .sources.retry import StoreUnavailable
 from .store_health import StoreHealth
+from .stores.base import ObjectInfo
+from .stores.retry import StoreUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from collections.abc import Iterator
 
 from .errors import CachedError
 from .fetcher import Fetcher
+from .hot.tier import reservation_bytes
 from .metrics import Metrics
 from .planner import Planner
-from .sources.base import ObjectInfo
-from .tiers.hot import reservation_bytes
+from .stores.base import ObjectInfo
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ and a read is bounded in samples (``max_read_samples``), not bytes: a client tha
 replies (or another user's 512 such connections) held 16 reads' payload each in the
 daemon, out of any byte cap's sight (a shard's worth each, for large samples). So the last
 payload frame of each large reply is tracked (pyzmq's ``MessageTracker``: done once libzmq
-has written the message out and freed it, cached/tiers/pread.py makes that frame), its
+has written the message out and freed it, cached/hot/pread.py makes that frame), its
 reply's bytes are counted until then, and a reply that would pass a cap waits in the
 connection's backlog instead (cached/server/sendq.py), under the backlog's own byte caps and
 ``reply_timeout_s``. A scope that holds nothing takes a reply whatever its size, so the

@@ -1,6 +1,6 @@
 """The client's compiled parts: ``cached_client._gather`` (FastLoader's local reads in C,
 docs/decisions.md D32) and ``cached_wire._tarscan`` (the daemon's one-pass tar index and
-checksums of a downloaded shard file, cached/tiers/scan.py). ``optional``: where they cannot
+checksums of a downloaded shard file, cached/hot/scan.py). ``optional``: where they cannot
 be built (no C compiler), the install still succeeds and the same work is done in Python."""
 
 import platform

@@ -9,8 +9,8 @@ from typing import Any
 
 from cached_client.local import LocalFiles, LocalRead
 
+from cached.hot.index import Member, Sample
 from cached.layouts import pack
-from cached.tiers.index import Member, Sample
 
 
 def packed(rows: list[Any]) -> tuple[bytes, list[str]]:

@@ -31,9 +31,9 @@ from cached_wire.protocol import ErrorCode
 from prometheus_client.parser import text_string_to_metric_families
 
 from cached import errors
-from cached.sources.base import ObjectChanged
-from cached.sources.retry import StoreTimeout, StoreUnavailable
-from cached.tiers.hot import ShardCorrupt
+from cached.hot.tier import ShardCorrupt
+from cached.stores.base import ObjectChanged
+from cached.stores.retry import StoreTimeout, StoreUnavailable
 from tests.daemon import daemon_config, dataset_shards, isolate_env, thread_daemon
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server

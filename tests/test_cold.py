@@ -17,10 +17,10 @@ from cached_wire.protocol import ErrorCode
 
 from cached.config import ColdConfig, S3Config, load
 from cached.errors import ConfigError, FetchError, ObjectArchived, ObjectNotFound
-from cached.sources.base import ObjectInfo
-from cached.sources.chain import TierChain
-from cached.sources.s3 import S3Source
-from cached.sources.s3_client import _archive_state, _archived
+from cached.stores.base import ObjectInfo
+from cached.stores.chain import TierChain
+from cached.stores.s3 import S3Source
+from cached.stores.s3_client import _archive_state, _archived
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server
 from tests.test_sources import Collect, payload

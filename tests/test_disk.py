@@ -28,7 +28,7 @@ from cached_client import CachedDataset
 from cached_client.transport import Connection
 
 from cached import cli
-from cached.tiers.hot import reservation_bytes
+from cached.hot.tier import reservation_bytes
 from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, serve_config, thread_daemon
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server

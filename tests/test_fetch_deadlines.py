@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from cached_client.transport import Connection
 
-from cached.sources import native
-from cached.tiers.hot import reservation_bytes
+from cached.hot.tier import reservation_bytes
+from cached.stores import native
 from tests.daemon import (
     ProcessDaemon,
     ThreadDaemon,

@@ -16,7 +16,7 @@ import webdataset as wds
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from cached.errors import CacheError, NotATarError
-from cached.tiers.index import _BASE_EXT, Member, Sample, ShardIndex, TarIndexer, base_plus_ext
+from cached.hot.index import _BASE_EXT, Member, Sample, ShardIndex, TarIndexer, base_plus_ext
 
 CHUNKS = [1, 7, 512, 513, 4096, None]  # None: the whole file in one feed
 URL = "s3://bucket/shard-000001.tar"

@@ -21,15 +21,15 @@ from cached_client.reader import read_shard
 from cached_client.transport import Connection
 
 from cached.errors import VerifyError
+from cached.hot import tier as hot_module
+from cached.hot.index import ShardIndex, TarIndexer
+from cached.hot.sidecar import Sidecar
+from cached.hot.tier import HotTier, ShardCorrupt
+from cached.hot.verify import ALGORITHM, StreamSums
+from cached.hot.verify import digest as member_sum
 from cached.policy.lru import LRUPolicy
-from cached.sources.base import ObjectInfo
-from cached.sources.s3 import S3Source
-from cached.tiers import hot as hot_module
-from cached.tiers.hot import HotTier, ShardCorrupt
-from cached.tiers.index import ShardIndex, TarIndexer
-from cached.tiers.sidecar import Sidecar
-from cached.tiers.verify import ALGORITHM, StreamSums
-from cached.tiers.verify import digest as member_sum
+from cached.stores.base import ObjectInfo
+from cached.stores.s3 import S3Source
 from tests.daemon import ThreadDaemon, daemon_config, make_tar, thread_daemon
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server
@@ -127,7 +127,7 @@ def test_bit_rot_while_running_is_never_served(
     with thread_daemon(daemon_config(tmp_path, s3_server.endpoint_url)) as d:
         assert read_all(d, urls) == expected
         flip(tar_path(d, urls[1]), member_offset(d, urls[1]))
-        with caplog.at_level(logging.ERROR, logger="cached.tiers.hot"):
+        with caplog.at_level(logging.ERROR, logger="cached.hot.tier"):
             assert read_all(d, urls) == expected
         assert metric(d, "cached_corrupt_shards_total", found="read") == 1
         assert sum("corrupt shard in the hot tier" in r.message for r in caplog.records) == 1

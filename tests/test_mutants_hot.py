@@ -14,11 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from cached.errors import CacheFull
-from cached.planner import Planner
-from cached.policy import BeladyPolicy, EvictionPolicy, LRUPolicy
-from cached.sources.base import ObjectInfo
-from cached.tiers.checks import Checks
-from cached.tiers.hot import (
+from cached.hot.checks import Checks
+from cached.hot.tier import (
     SHARED_DIR_MODE,
     SHARED_FILE_MODE,
     HotTier,
@@ -27,7 +24,10 @@ from cached.tiers.hot import (
     ShardState,
     reservation_bytes,
 )
-from cached.tiers.verify import ALGORITHM
+from cached.hot.verify import ALGORITHM
+from cached.planner import Planner
+from cached.policy import BeladyPolicy, EvictionPolicy, LRUPolicy
+from cached.stores.base import ObjectInfo
 from cached_demo.tars import make_tar
 
 BODY = make_tar([(f"s{i}", {"bin": bytes([i]) * 1000}) for i in range(4)])

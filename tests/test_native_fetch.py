@@ -17,11 +17,11 @@ from aiobotocore.session import AioSession
 from botocore.exceptions import ClientError
 
 from cached.errors import FetchError, FetchTimeout, ObjectNotFound, VerifyError
-from cached.sources import native
-from cached.sources import s3_native as s3mod
-from cached.sources.base import ObjectChanged, ObjectInfo, Opened, Sink
-from cached.sources.retry import CONNECTION, CORRUPT, SERVER_ERROR, THROTTLED, TIMEOUT
-from cached.sources.s3 import S3Source
+from cached.stores import native
+from cached.stores import s3_native as s3mod
+from cached.stores.base import ObjectChanged, ObjectInfo, Opened, Sink
+from cached.stores.retry import CONNECTION, CORRUPT, SERVER_ERROR, THROTTLED, TIMEOUT
+from cached.stores.s3 import S3Source
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server
 from tests.test_disk import small_disk
@@ -443,7 +443,7 @@ async def test_throttling_past_the_budget_fails_the_fetch(
     async with client as src:
         info = await src.head(f"s3://{bucket}/obj.tar")
         proxy.inject("slowdown", times=20)
-        # The request budget slows down first (cached/sources/pacing.py); once at its
+        # The request budget slows down first (cached/stores/pacing.py); once at its
         # floor, SlowDowns count against the 3 attempts, and the fetch fails.
         with pytest.raises(FetchError, match=r"gave up after \d+ attempt\(s\).*SlowDown"):
             await fetched(src, info, tmp_path / "obj")

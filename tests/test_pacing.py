@@ -1,4 +1,4 @@
-"""The request budget (cached/sources/pacing.py) and the retry loop that takes from it.
+"""The request budget (cached/stores/pacing.py) and the retry loop that takes from it.
 
 The pacer runs on the real event loop and the real clock: the rates are high enough
 that a test takes a fraction of a second, and the bounds leave room for a loaded machine.
@@ -15,8 +15,8 @@ import pytest
 from botocore.exceptions import ClientError
 
 from cached.config import ConfigError, load
-from cached.sources.pacing import RequestPacer
-from cached.sources.retry import RetryPolicy, StoreUnavailable, retrying
+from cached.stores.pacing import RequestPacer
+from cached.stores.retry import RetryPolicy, StoreUnavailable, retrying
 
 POLICY = RetryPolicy(attempts=3, base_delay_s=0.0, max_delay_s=0.0)
 

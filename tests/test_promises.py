@@ -26,8 +26,8 @@ from cached_client.transport import Connection
 
 from cached.config import Config
 from cached.daemon import Daemon
-from cached.tiers.checks import Checks
-from cached.tiers.hot import HotTier
+from cached.hot.checks import Checks
+from cached.hot.tier import HotTier
 from cached_demo.stack import daemon_in_thread
 from tests.daemon import daemon_config, dataset_shards, thread_daemon
 from tests.faultproxy import FaultProxy

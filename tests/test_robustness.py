@@ -18,8 +18,8 @@ from cached_client.transport import Connection
 from cached_wire.protocol import decode, encode
 
 from cached import prefetcher
+from cached.hot.tier import HotTier
 from cached.policy import LRUPolicy
-from cached.tiers.hot import HotTier
 from tests.daemon import ProcessDaemon, daemon_config, dataset_shards, serve_config, thread_daemon
 from tests.faultproxy import FaultProxy
 from tests.hostile import HOSTILE, OtherUser, refused, shared, until
@@ -220,7 +220,7 @@ async def test_remembered_object_answers_are_bounded(monkeypatch: pytest.MonkeyP
     """Clients name the URLs: the store's answers are kept for the most recent ones only,
     and a dropped one costs a HEAD when it comes back."""
     from cached import lookups
-    from cached.sources.base import ObjectInfo
+    from cached.stores.base import ObjectInfo
 
     asked: list[str] = []
 

@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 import zmq
-from cached_client import CachedDataset, FastLoader, layouts, protocol
+from cached_client import CachedDataset, FastLoader
 from cached_client.errors import ProtocolError
+from cached_wire import layouts, protocol
 
 from cached.layouts import MAX_KEPT_LAYOUTS
 from tests.daemon import (

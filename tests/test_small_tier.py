@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from cached.tiers.hot import reservation_bytes
+from cached.hot.tier import reservation_bytes
 from tests.daemon import ProcessDaemon, dataset_shards, write_config
 from tests.s3server import S3Server
 

@@ -23,10 +23,10 @@ from botocore import exceptions as boto_exc
 
 from cached.config import S3Config
 from cached.errors import FetchError, FetchTimeout, ObjectNotFound, VerifyError
-from cached.sources import Sources, s3_client, s3_gets
-from cached.sources.base import ObjectInfo, Opened
-from cached.sources.file import FileSource
-from cached.sources.retry import (
+from cached.stores import Sources, s3_client, s3_gets
+from cached.stores.base import ObjectInfo, Opened
+from cached.stores.file import FileSource
+from cached.stores.retry import (
     CONNECTION,
     SERVER_ERROR,
     THROTTLED,
@@ -34,7 +34,7 @@ from cached.sources.retry import (
     RetryPolicy,
     transient_reason,
 )
-from cached.sources.s3 import S3Source
+from cached.stores.s3 import S3Source
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Server
 

@@ -22,11 +22,11 @@ from cached_client.transport import Connection
 from torch.utils.data import DataLoader
 
 from cached.fetcher import Fetcher
+from cached.hot.tier import HotTier, Shard, ShardWriter
 from cached.metrics import Metrics
 from cached.policy import LRUPolicy
-from cached.sources import s3_native as s3_module
-from cached.sources.chain import TierChain
-from cached.tiers.hot import HotTier, Shard, ShardWriter
+from cached.stores import s3_native as s3_module
+from cached.stores.chain import TierChain
 from cached_demo.tars import make_tar
 from tests.daemon import daemon_config, dataset_shards, thread_daemon
 from tests.faultproxy import FaultProxy

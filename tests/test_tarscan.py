@@ -1,6 +1,6 @@
 """One specification of a shard file's index and checksums, held by both ways of building
 them after the download: the compiled scan (``cached_wire._tarscan``, through
-``cached.tiers.scan.index_file``) and the streaming path's own code (``TarIndexer`` fed
+``cached.hot.scan.index_file``) and the streaming path's own code (``TarIndexer`` fed
 the whole file, ``StreamSums`` over it), which is the specification.
 
 Each generated file goes through both, and they must agree exactly: the same samples,
@@ -30,9 +30,9 @@ from typing import Any
 import pytest
 
 from cached.errors import NotATarError
-from cached.tiers import scan
-from cached.tiers.index import ShardIndex, TarIndexer
-from cached.tiers.verify import ALGORITHM, StreamSums
+from cached.hot import scan
+from cached.hot.index import ShardIndex, TarIndexer
+from cached.hot.verify import ALGORITHM, StreamSums
 
 URL = "s3://bucket/shard-000042.tar"
 BLOCK = 512

@@ -26,10 +26,10 @@ from torch.utils.data import DataLoader
 from bench.cache_sim import offline_min
 from cached.errors import CacheFull
 from cached.fetcher import DEMAND, PREFETCH, PrioritySlots
+from cached.hot.tier import HotTier, reservation_bytes
 from cached.policy import LRUPolicy
 from cached.slots import Held
-from cached.sources.base import ObjectInfo
-from cached.tiers.hot import HotTier, reservation_bytes
+from cached.stores.base import ObjectInfo
 from cached_demo.tars import make_tar
 from tests.daemon import (
     ProcessDaemon,

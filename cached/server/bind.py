@@ -59,6 +59,7 @@ async def bind(
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     # A larger frame drops its connection as its size arrives, before it is buffered.
+    # I51: an oversized frame drops its connection, not memory.
     sock.setsockopt(zmq.MAXMSGSIZE, max_request_bytes)
     sock.setsockopt(zmq.SNDHWM, SNDHWM)
     # Replies to a vanished client fail loudly instead of queueing or dropping silently.

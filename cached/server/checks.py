@@ -71,6 +71,7 @@ def valid(url: str) -> None:
     parse(url)
 
 
+# I65: malformed requests are bad_request (as every check here).
 def released(header: Header) -> list[str]:
     """The ``release`` field: the URLs whose pins the stream gives back with this request,
     each a shard URL (no store is asked about a name no store allows)."""

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 from ..bounds import Bounds, MemoryQuotas
 from ..datasets import Datasets
+from ..hot.tier import HotTier
 from ..leases import Leases
 from ..planner import Planner
 from ..quota import Quota
-from ..tiers.hot import HotTier
 
 
 @dataclass

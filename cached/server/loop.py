@@ -28,12 +28,12 @@ from ..admission import Admission, ConnectionCaps
 from ..bounds import Bounds
 from ..errors import CachedError
 from ..fetcher import Fetcher
+from ..hot.tier import HotTier
 from ..jobs import JobBoard, Report
 from ..metrics import Metrics
 from ..offload import Offload
 from ..peers import Peer, Peers
 from ..planner import Planner
-from ..tiers.hot import HotTier
 from .bind import bind
 from .checks import MAX_REQUEST_DEPTH
 from .dispatch import Dispatch
@@ -250,6 +250,7 @@ class Server:
                 # would keep this loop from ever awaiting: everything else on the event
                 # loop (the handlers, /healthz) gets a turn every YIELD_EVERY messages.
                 taken += 1
+                # I53: a flood leaves the daemon answering others.
                 if taken >= YIELD_EVERY:
                     taken = 0
                     await asyncio.sleep(0)
@@ -279,6 +280,7 @@ class Server:
                     self.sendq.refuse(peer, header, self._too_many(peer))
                     continue
                 size = len(header)
+                # I52: large requests are taken one at a time per client.
                 if peer.request_bytes and peer.request_bytes + size > self.bounds.max_request_bytes:
                     # Large requests one at a time per client: the rest wait in ZeroMQ.
                     self.sendq.refuse(peer, header, self._too_large(peer, size))

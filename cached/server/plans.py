@@ -113,6 +113,7 @@ class Plans:
                 indexed_plan, key, dataset, index, cursor, job, most=most, owner=user
             )
         else:
+            # I56: a plan names at most max_plan_shards shards.
             urls = listed(header, self.max_plan_shards, "a plan")
             long, named = len(urls) > PLAN_OFFLOAD_URLS, len(urls)
             weight = plan_bytes(named, await self._off_loop_if(user, long, strings_bytes, urls))

@@ -14,13 +14,13 @@ from cached_wire.protocol import Header
 
 from ..errors import OutOfRange, ProtocolError
 from ..fetcher import AHEAD, DEMAND, PREFETCH, Fetcher, GaveWay, shard_id
+from ..hot.index import Member
+from ..hot.tier import HotTier, Shard, ShardCorrupt
 from ..layouts import chosen, packed_layout
 from ..metrics import Metrics
 from ..offload import Offload
 from ..owners import scoped
 from ..peers import Peer
-from ..tiers.hot import HotTier, Shard, ShardCorrupt
-from ..tiers.index import Member
 from .checks import integer, text, url_of
 from .holdings import Holdings
 
@@ -132,6 +132,8 @@ class Reads:
             "payload": shard.index.payload_bytes,
         }
 
+    # I66, I67: a not-resident whole read fetches, pins and counts nothing; pins ahead
+    # hold at most half the tier.
     def _resident_now(self, header: Header) -> bool:
         """Whether the shard a read names can be served at once, as an open would find it:
         a fresh READY copy (``Fetcher.resident_fresh``) and room to pin it ahead

@@ -18,11 +18,11 @@ from cached_wire.protocol import ErrorCode, encode, error
 
 from ..bounds import Bounds
 from ..errors import LimitExceeded
+from ..hot.pread import TRACK_BYTES
 from ..metrics import Metrics
 from ..peers import Peer, Peers
 from ..quota import Quota
 from ..sent import Sent
-from ..tiers.pread import TRACK_BYTES
 from ..weights import frames_bytes
 from .checks import id_of
 
@@ -47,7 +47,7 @@ def waiting(sock: zmq.Socket[bytes]) -> bool:
 
 
 def _tracker(frames: list[Any]) -> Any:
-    """The tracker of a reply's tracked frame (cached/tiers/pread.py), or None."""
+    """The tracker of a reply's tracked frame (cached/hot/pread.py), or None."""
     for frame in reversed(frames):
         tracker = getattr(frame, "tracker", None)
         if tracker is not None:
@@ -82,6 +82,7 @@ class SendQueue:
         """The socket replies go out on, and its connections (a vanished one is dropped)."""
         self._sock, self._peers = sock, peers
 
+    # I52: a request past its client's bound is refused, not held.
     def refuse(self, peer: Peer, header: bytes, message: str) -> None:
         """A request from a client over one of its bounds (``message`` says which):
         answered ``limit_exceeded`` where its queue takes the reply at once, else dropped."""
@@ -91,6 +92,7 @@ class SendQueue:
         reply = error(id_of(header), ErrorCode.LIMIT, message)
         self.try_send(peer, [peer.ident, encode(reply)])
 
+    # I50: a client that never reads its replies holds only its own bound.
     def deliver(self, peer: Peer, frames: list[Any], request_id: Any = None) -> None:
         """Send a reply without blocking; one the client's queue cannot take yet waits in
         the peer's backlog (see :meth:`_flush`), in bytes within the user's and the

@@ -47,6 +47,7 @@ class Sessions:
         for handle in self._graces:
             handle.cancel()
 
+    # I34: a session is never bound across uids.
     def session_of(self, header: Header, client: Peer) -> Header:
         """A hello that names a session binds it to this connection (again after a
         restart of ours, or a reconnect of the client's)."""
@@ -64,6 +65,7 @@ class Sessions:
         client.session = session
         return {"session": session}
 
+    # I33, I34: a heartbeat keeps its connection's leases and plans, a same-uid one only.
     def heartbeat(self, header: Header, client: Peer) -> Header:
         """A client's heartbeat, from a socket of its own: the connection its session names
         keeps its leases and plans however long its reader reads without a request, or
@@ -82,6 +84,7 @@ class Sessions:
             held.planner.touch([cast(str, k) for o in owners for k in held.plan_quota.keys_of(o)])
         return {"instance": self.instance, "known": known}
 
+    # I35, I36: a gone connection's pins go at once, its plans after plan_grace_s.
     def gone(self, peer: Peer) -> None:
         """``peer`` went away: its session name is free, and what it holds goes."""
         if peer.session and self._sessions.get(peer.session) is peer:
@@ -137,6 +140,7 @@ class Sessions:
             for _ in self.holdings.planner.unindexing(dropped):
                 await asyncio.sleep(0)
 
+    # I32: a lease lapses 1 to 1.25 x lease_timeout_s after its last renewal (the sweep).
     async def expire(self) -> None:
         """Release lapsed leases and drop quiet plans periodically, until cancelled."""
         held = self.holdings

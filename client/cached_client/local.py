@@ -36,7 +36,7 @@ from cached_wire.protocol import Header
 from .errors import ProtocolError, UsageError
 from .local_files import MAX_GAP, MAX_OPEN_FILES, LocalFiles, LocalUnavailable
 
-# The daemon's member checksums (cached/tiers/verify.py), by the name its replies give;
+# The daemon's member checksums (cached/hot/verify.py), by the name its replies give;
 # a reply naming another is read unchecked.
 _DIGESTS = {"xxh3_64": xxhash.xxh3_64_intdigest}
 

@@ -26,7 +26,7 @@ MALFORMED = "a malformed local layout"
 
 
 class PackedMember(Protocol):
-    """What :func:`pack` reads of a member (the daemon's ``tiers.index.Member``)."""
+    """What :func:`pack` reads of a member (the daemon's ``hot.index.Member``)."""
 
     @property
     def ext(self) -> str: ...

@@ -2,11 +2,11 @@
  * cached_wire._tarscan: the tar index and checksums of a downloaded shard file, in C.
  *
  * The native fetch path writes a whole shard into a file with no Python per byte; this
- * builds what the streaming path builds while the bytes arrive (cached/tiers/index.py
- * TarIndexer, cached/tiers/verify.py StreamSums) in one pass over that file, without
+ * builds what the streaming path builds while the bytes arrive (cached/hot/index.py
+ * TarIndexer, cached/hot/verify.py StreamSums) in one pass over that file, without
  * the GIL: every regular member's name, data offset, size and XXH3-64, and the XXH3-64
  * of the whole file. The naming and grouping of members into samples stay in Python
- * (cached/tiers/scan.py, one piece of code with TarIndexer's).
+ * (cached/hot/scan.py, one piece of code with TarIndexer's).
  *
  * TarIndexer is the specification, errors included. Where it follows Python's int() or
  * its pax regex into corners this code does not model exactly (a number field that is
@@ -492,13 +492,13 @@ static PyMethodDef methods[] = {
      "header at byte at) or INCOMPLETE (reason: where it ends); headers: valid headers "
      "before that. OK: names, the regular members' raw names end to end; table, "
      "RECORD_SIZE bytes per member (native u64: name end, data offset, size, XXH3-64); "
-     "at, the size; whole, the file's XXH3-64. cached/tiers/scan.py reads it."},
+     "at, the size; whole, the file's XXH3-64. cached/hot/scan.py reads it."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "cached_wire._tarscan",
-    "A downloaded shard's tar index and checksums in one pass, in C (cached/tiers/scan.py).",
+    "A downloaded shard's tar index and checksums in one pass, in C (cached/hot/scan.py).",
     -1, methods,
 };
 

@@ -167,7 +167,7 @@ class _OpenedGet(Opened):
 
 
 class S3Gets(S3Client):
-    """The GETs of :class:`~cached.sources.s3.S3Source` that stream into a sink."""
+    """The GETs of :class:`~cached.stores.s3.S3Source` that stream into a sink."""
 
     async def _stream_verified(
         self, info: ObjectInfo, sink: Sink, opened: Opened | None, rewind: Rewind | None
@@ -210,6 +210,7 @@ class S3Gets(S3Client):
         if first is not None:
             params["Range"] = f"bytes={first}-{last}"
         if info.etag:
+            # I20: every GET names the version it continues.
             params["IfMatch"] = f'"{info.etag}"'
         return params
 

@@ -17,9 +17,9 @@ import threading
 import time
 
 from ..once import joined
-from ..sources.base import ObjectInfo
-from .hot import HotTier, Shard, ShardState
+from ..stores.base import ObjectInfo
 from .sidecar import Sidecar
+from .tier import HotTier, Shard, ShardState
 from .verify import ALGORITHM, check_file
 from .writer import write_atomically
 

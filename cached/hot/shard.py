@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CacheError
-from ..sources.base import ObjectInfo
+from ..stores.base import ObjectInfo
 from .index import ShardIndex
 
 # An evicted shard's data file, renamed to this while a worker thread unlinks it.

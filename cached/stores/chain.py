@@ -55,11 +55,11 @@ def _opener(landing: Path | None) -> Callable[[Source, str], Awaitable[Opened]]:
 
 
 class TierChain(Router, OwnsStack):
-    """The remote tiers in order, behind one :class:`~cached.sources.base.Source` (what
+    """The remote tiers in order, behind one :class:`~cached.stores.base.Source` (what
     the fetcher uses).
 
     ``async with TierChain(cfg.s3, cfg.cold, on_retry=...) as tiers:``. The warm tier is
-    a :class:`~cached.sources.Sources` router (by scheme). The cold tier, if ``cold`` is
+    a :class:`~cached.stores.Sources` router (by scheme). The cold tier, if ``cold`` is
     configured, reads ``file://`` paths through that router's file source and ``s3://``
     keys through its S3 client, or through a second client of its own when
     ``[cold] endpoint_url`` names another endpoint; like the warm one, that client is

@@ -4,7 +4,7 @@ and request budgets, and botocore's failures translated into the daemon's errors
 :class:`S3Client` owns the client (and awscrt's, for the native path, :mod:`.native`),
 looks objects up (HEAD) and describes them from a response's headers. The GETs
 (:mod:`.s3_gets`), the native glue (:mod:`.s3_native`) and the uploads
-(:mod:`.s3_uploads`) build on it; :class:`~cached.sources.s3.S3Source` is all of them.
+(:mod:`.s3_uploads`) build on it; :class:`~cached.stores.s3.S3Source` is all of them.
 """
 
 from __future__ import annotations
@@ -197,12 +197,12 @@ def _s3_location(url: str) -> ShardURL:
 
 
 class S3Client(OwnsStack):
-    """The client half of :class:`~cached.sources.s3.S3Source`: the aiobotocore client
+    """The client half of :class:`~cached.stores.s3.S3Source`: the aiobotocore client
     (and awscrt's, where ``[s3] native_fetch`` asks for it), the request under its
     budgets (:meth:`_call`), the HEAD and the description of an object from headers.
 
     ``on_retry(reason)`` is called for every retry with one of
-    :data:`~cached.sources.retry.RETRY_REASONS`; ``pacer`` is the endpoint's request
+    :data:`~cached.stores.retry.RETRY_REASONS`; ``pacer`` is the endpoint's request
     budget (:mod:`.pacing`; None makes one of ``[s3] max_requests_per_s``); ``session``
     the ``AioSession`` to create the client from (None: a fresh one).
     """

@@ -107,7 +107,7 @@ class HotTier(Room):
         max_open_files: int = 1024,
     ) -> None:
         self.dir = directory
-        # Shard files open for socket reads: a bounded LRU (cached/tiers/openfiles.py).
+        # Shard files open for socket reads: a bounded LRU (cached/hot/openfiles.py).
         self.files = OpenFiles(max_open_files)
         self.configured_bytes = capacity_bytes  # [cache] capacity; see capacity_bytes
         self.min_free_bytes = min_free_bytes
@@ -267,6 +267,7 @@ class HotTier(Room):
         :meth:`pinned_bytes` walks the tier)."""
         return self._pinned_total
 
+    # I67: pins ahead hold at most half the tier.
     def may_pin_ahead(self, shard: Shard) -> bool:
         """Whether a reader may pin ``shard`` before it needs it (a whole read's
         ``if_resident``): always once a reader holds it; otherwise only while pins hold

@@ -50,7 +50,7 @@ def _read_exactly(fd: int, length: int, offset: int, path: Path) -> bytes:
 
 
 class S3Uploads(S3Client):
-    """The uploads of :class:`~cached.sources.s3.S3Source`."""
+    """The uploads of :class:`~cached.stores.s3.S3Source`."""
 
     def upload_part_size(self, size: int) -> int:
         """The part size :meth:`put` uses for a ``size``-byte multipart upload.

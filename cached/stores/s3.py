@@ -27,12 +27,12 @@ __all__ = ["CHECKSUM_PROBES", "S3Client", "S3Source"]
 
 
 class S3Source(S3Native, S3Uploads):
-    """Reads ``s3://bucket/key`` objects; implements :class:`~cached.sources.base.Source`.
+    """Reads ``s3://bucket/key`` objects; implements :class:`~cached.stores.base.Source`.
 
     Use as ``async with S3Source(cfg) as src:``. It owns one aiobotocore client, hence
     one connection pool (``max_pool_connections``) for the whole daemon. Credentials come
     from the standard AWS chain. ``on_retry(reason)`` is called for every retry with one
-    of :data:`~cached.sources.retry.RETRY_REASONS`, for the daemon's metrics.
+    of :data:`~cached.stores.retry.RETRY_REASONS`, for the daemon's metrics.
     ``pacer`` is the request budget every request to the endpoint takes from (see
     :mod:`.pacing`); None makes one of ``[s3] max_requests_per_s``.
     ``session`` is the ``AioSession`` to create the client from; None makes a fresh one.

@@ -47,9 +47,9 @@ def _version(st: os.stat_result) -> str:
 
 
 class FileSource(OwnsStack):
-    """Reads ``file://`` URLs; implements :class:`~cached.sources.base.Source`.
+    """Reads ``file://`` URLs; implements :class:`~cached.stores.base.Source`.
 
-    An async context manager for symmetry with :class:`~cached.sources.s3.S3Source`; it
+    An async context manager for symmetry with :class:`~cached.stores.s3.S3Source`; it
     holds no resource between calls.
     """
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import CacheError, NotATarError
-from ..sources.base import ObjectInfo
+from ..stores.base import ObjectInfo
 from .index import ShardIndex, TarIndexer
 from .scan import index_file
 from .sidecar import Sidecar

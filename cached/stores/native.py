@@ -2,7 +2,7 @@
 
 No Python runs per byte or per chunk: the CRT's threads read the socket and write the
 file, and Python sees one headers callback, a progress callback at most once a second,
-and the end (docs/decisions.md, D42). The caller (:class:`~cached.sources.s3.S3Source`)
+and the end (docs/decisions.md, D42). The caller (:class:`~cached.stores.s3.S3Source`)
 keeps the control plane (HEAD, LIST, credentials) on aiobotocore and its guarantees
 around each GET here:
 
@@ -252,6 +252,7 @@ class NativeClient:
         host, target = self._target(bucket, key)
         headers = [("Host", host)]
         if etag:
+            # I20: every GET names the version it continues.
             headers.append(("If-Match", f'"{etag}"'))
         checksum_config = _checksum_config(checksum)
         # The CRT opens the file inside make_request, on this thread: creating it there

@@ -4,7 +4,7 @@ The native fetch path has a source write a whole shard into its partial file wit
 Python per byte, so nothing indexed or hashed the bytes on their way. :func:`index_file`
 does it afterwards, while the file's pages are still in the page cache: the same index
 (samples, offsets, sizes, the members' XXH3-64) and whole-file checksum that
-:class:`~cached.tiers.writer.ShardFiles` builds from a stream, and the same
+:class:`~cached.hot.writer.ShardFiles` builds from a stream, and the same
 NotATarError for bytes that are not a whole tar archive.
 
 The walk and the hashing are C (``cached_wire._tarscan``, one call without the GIL);

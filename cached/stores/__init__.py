@@ -1,4 +1,5 @@
-"""Remote tiers. ``base`` defines the interface; ``s3`` and ``file`` implement it.
+"""The warm and cold tiers (the stores). ``base`` defines the interface; ``s3`` and ``file``
+implement it.
 
 :class:`Sources` routes a shard URL to its tier by scheme and owns the tiers' clients.
 """
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class Sources(Router, OwnsStack):
-    """Every remote tier behind one :class:`~cached.sources.base.Source`, dispatching on the URL
+    """Every remote tier behind one :class:`~cached.stores.base.Source`, dispatching on the URL
     scheme.
 
     ``async with Sources(cfg.s3, on_retry=...) as sources:``. The S3 client is created

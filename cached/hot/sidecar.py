@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CacheError
-from ..sources.base import ObjectInfo
+from ..stores.base import ObjectInfo
 from .index import ShardIndex
 from .verify import ALGORITHM
 

@@ -188,6 +188,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+# I30: SlowDown and transient faults are retried, not failed.
 async def retrying(
     op: Callable[[], Awaitable[T]],
     *,

@@ -1,4 +1,4 @@
-"""The glue between :class:`~cached.sources.s3.S3Source` and the native path
+"""The glue between :class:`~cached.stores.s3.S3Source` and the native path
 (:mod:`.native`, awscrt): a native GET held at its headers, the HEAD that asks the store
 for the checksum a ranged GET cannot carry, and the GET into a file with its checks over
 the file (the store's checksum, else the MD5 of a plain ETag).
@@ -106,7 +106,7 @@ def _md5_of_file(path: Path) -> str:
 
 
 class S3Native(S3Gets):
-    """The native half of :class:`~cached.sources.s3.S3Source`: GETs into a file."""
+    """The native half of :class:`~cached.stores.s3.S3Source`: GETs into a file."""
 
     def _store_checksum(self, info: ObjectInfo) -> asyncio.Future[str | None] | None:
         """The store's full-object checksum of a native open's object, asked for by a HEAD

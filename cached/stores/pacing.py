@@ -50,6 +50,7 @@ _WINDOW_S = 1.0
 _MIN_SPAN_S = 0.1
 
 
+# I29, I30: nodes start at the rate the store allows; without shares no read fails.
 class RequestPacer:
     """A request budget shared by every request to one S3 endpoint.
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import CacheFull, NeverFits
-from ..sources.base import ObjectInfo
+from ..stores.base import ObjectInfo
 from .shard import EVICTED_SUFFIX, NotAdmitted, Shard, ShardState, reservation_bytes
 from .shardwriter import ShardWriter
 from .space import DISK_LOOK_S, Space
@@ -29,7 +29,7 @@ from .waits import ROOM, UNLINK, Waits
 
 # The tier's one logger, under the name it had before the tier was split into rooms (what
 # operators filter on).
-log = logging.getLogger("cached.tiers.hot")
+log = logging.getLogger("cached.hot.tier")
 
 
 class Room(Space):
