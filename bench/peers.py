@@ -72,7 +72,6 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common, shaping
-from bench.epochs import source_digest
 from bench.peers_systems import BASELINE, BY_NAME, SYSTEMS, SystemInfo, base
 from cached.config import parse_size
 
@@ -856,15 +855,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "systems": {s.name: s.what for s in SYSTEMS},
     }
-    doc["source_digest_at_start"] = digest = source_digest()
+    doc["source_digest_at_start"] = common.source_digest()
     with common.workdir("cached-bench-peers-", keep=args.keep) as work:
         configs = run_all(args, doc, work)
-    doc["source_digest_at_end"] = source_digest()
-    if doc["source_digest_at_end"] != digest:
-        common.log(
-            "WARNING: the source of cached/ or client/ changed during the run (a shared "
-            "checkout); the runs may mix versions of the daemon and the client"
-        )
+    common.note_source_change(doc)
     common.log("\n" + "=" * 100)
     for c in configs:
         common.log(f"\n{c.title}, median of {args.repeats}:\n{text_table(c.rows)}")
