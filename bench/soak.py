@@ -1163,27 +1163,6 @@ def window(samples: Sequence[ProcSample], get: Callable[[ProcSample], int]) -> d
     }
 
 
-def source_dirs() -> list[Path]:
-    """Where the daemon's and the client's packages are imported from (the checkout, or
-    whatever ``PYTHONPATH`` puts first: the daemon subprocess imports the same)."""
-    import cached_client
-
-    import cached
-
-    return [Path(m.__file__ or "").parent for m in (cached, cached_client)]
-
-
-def source_digest() -> str:
-    """A digest of the daemon's and the client's source: others may edit a shared checkout
-    while a soak runs; differing digests at the start and the end say so."""
-    h = hashlib.sha256()
-    for top in source_dirs():
-        for path in sorted(top.rglob("*.py")):
-            h.update(str(path.relative_to(top.parent)).encode() + b"\0")
-            h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1245,8 +1224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc: dict[str, Any] = {
         **head,
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "source_dirs": [str(d) for d in source_dirs()],
-        "source_digest_at_start": source_digest(),
+        "source_digest_at_start": common.source_digest(),
     }
     ctx = multiprocessing.get_context("spawn")
     with common.workdir("cached-soak-", keep=args.keep) as work:
@@ -1288,9 +1266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             s3.join(timeout=20)
             if s3.is_alive():
                 s3.kill()
-    doc["source_digest_at_end"] = source_digest()
-    if doc["source_digest_at_end"] != doc["source_digest_at_start"]:
-        log("WARNING: the source of cached/ or client/ changed during the run")
+    common.note_source_change(doc)
     common.finish_run("soak", doc, started, args.out)
     return 0
 
