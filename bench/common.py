@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -536,6 +537,30 @@ def plan(args: Any) -> tuple[dict[int, int], int]:
     }
     tar_bytes = sum(tar_bytes_bound(args.shards, n, size) for size, n in counts.items())
     return counts, tar_bytes * 5 // 4 + (256 << 20)
+
+
+def source_digest() -> str:
+    """A digest of the daemon's and the client's Python source, where they are imported
+    from: others may edit a shared checkout while a benchmark runs, and each fresh
+    ``cached serve`` would then run another version; :func:`note_source_change` says so."""
+    import cached_client
+
+    import cached
+
+    h = hashlib.sha256()
+    for top in (Path(m.__file__ or "").parent for m in (cached, cached_client)):
+        for path in sorted(top.rglob("*.py")):
+            h.update(str(path.relative_to(top.parent)).encode() + b"\0")
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def note_source_change(doc: dict[str, Any]) -> None:
+    """Record the source digest at the end beside ``doc["source_digest_at_start"]`` and
+    warn when they differ (the runs may mix versions of the daemon and the client)."""
+    doc["source_digest_at_end"] = source_digest()
+    if doc["source_digest_at_end"] != doc["source_digest_at_start"]:
+        log("WARNING: the source of cached/ or client/ changed during the run")
 
 
 def finish_run(name: str, doc: dict[str, Any], started: float, out_dir: Path) -> None:

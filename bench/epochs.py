@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import os
 import shutil
 import statistics
@@ -434,18 +433,6 @@ def uploader(shards: common.ShardSet) -> shaping.Populate:
     return upload
 
 
-def source_digest() -> str:
-    """A digest of the daemon's and the client's Python source. Every configuration starts
-    a fresh ``cached serve``, so a source edit during a run (a shared checkout) would mix
-    versions into one table; comparing the digests at the start and the end detects it."""
-    h = hashlib.sha256()
-    for top in (common.ROOT / "cached", common.ROOT / "client" / "cached_client"):
-        for path in sorted(top.rglob("*.py")):
-            h.update(str(path.relative_to(common.ROOT)).encode() + b"\0")
-            h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def matrix(args: argparse.Namespace) -> list[Config]:
     return [
         Config(scenario, lookahead, policy)
@@ -551,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "policy", "scenario")},
     }
     doc["settings"]["out"] = str(args.out)
-    doc["source_digest_at_start"] = digest = source_digest()
+    doc["source_digest_at_start"] = common.source_digest()
     with common.workdir("cached-bench-epochs-", keep=args.keep) as work:
         shards, urls = prepare(args, work)
         log(
@@ -598,12 +585,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for cfg, why in skipped.items():
         log(f"skipped {cfg.name}: {why}")
     failed = any(r.error for rs in runs.values() for r in rs)
-    doc["source_digest_at_end"] = source_digest()
-    if doc["source_digest_at_end"] != digest:
-        log(
-            "WARNING: the source of cached/ or client/ changed during the run; the "
-            "configurations may have run different versions of the daemon"
-        )
+    common.note_source_change(doc)
     doc["configurations"] = [
         {
             "scenario": cfg.scenario,

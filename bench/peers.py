@@ -17,26 +17,13 @@ proxy's bucket). Every system reads through the same endpoint:
     (default cache)      the same chunks, no max_cache_size: litdata's default
   s3torchconnector       S3IterableDataset + webdataset's tar expander, no cache
 
-The two "(default cache)" rows run Mosaic and litdata as their users do, with the cache
-they get when they set no limit; the rows above them limit it to the hot tier's size, like
-for like with cached. A conversion runs once per system and rate, and both of its rows read
-it (so ``--system "litdata (default"`` alone still converts).
-
-Two scenarios per rate: ``fits`` (the cache limit holds the dataset; 2 epochs) and ``2x``
-(the dataset is twice the limit; 3 epochs). In ``fits`` a default cache holds the dataset
-as the limit does, and the default-cache rows' warm epoch (2) is their figure. In ``2x`` a
-default cache holds the whole dataset, twice the hot tier, so those rows are not like for
-like: they run anyway and are marked ``(!)``, as a cache over the limit already is (the note
-says no limit was set), rather than skipped, since their peak disk shows what the default
-costs. cached's ``2x`` comparison, its cold epoch included, is with the limited rows.
-
-Each run is a fresh process of the system (and a fresh daemon with an empty hot tier for
-cached, an empty cache directory for the others); runs alternate between systems
-(A B C A B C) ``--repeats`` times and the tables show medians. Per epoch: wall time,
-samples/s, time to the first batch, bytes at the link, CPU seconds of the client (the
-process and its DataLoader workers) and of the daemon; and each system's ratios to
-``cached CachedDataset``. Every epoch must deliver every sample exactly once (checked by
-key); a row where one did not is marked.
+The "(default cache)" rows run Mosaic and litdata with no cache limit, as their users do;
+the rows above them limit it to the hot tier's size. Two scenarios per rate: ``fits`` (the
+limit holds the dataset; 2 epochs) and ``2x`` (the dataset is twice the limit; 3 epochs), where
+a cache over the limit is marked ``(!)``. Each run is a fresh process and an empty cache; runs
+alternate between systems ``--repeats`` times and the tables show medians of wall time,
+samples/s, first batch, bytes at the link and CPU per epoch, with ratios to ``cached
+CachedDataset`` (docs/benchmarks.md, "Peers side by side").
 
     python bench/peers.py                      # the full run (make bench-peers)
     python bench/peers.py --small              # the CI smoke run (make bench-peers-small)
@@ -72,7 +59,6 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common, shaping
-from bench.epochs import source_digest
 from bench.peers_systems import BASELINE, BY_NAME, SYSTEMS, SystemInfo, base
 from cached.config import parse_size
 
@@ -856,15 +842,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "systems": {s.name: s.what for s in SYSTEMS},
     }
-    doc["source_digest_at_start"] = digest = source_digest()
+    doc["source_digest_at_start"] = common.source_digest()
     with common.workdir("cached-bench-peers-", keep=args.keep) as work:
         configs = run_all(args, doc, work)
-    doc["source_digest_at_end"] = source_digest()
-    if doc["source_digest_at_end"] != digest:
-        common.log(
-            "WARNING: the source of cached/ or client/ changed during the run (a shared "
-            "checkout); the runs may mix versions of the daemon and the client"
-        )
+    common.note_source_change(doc)
     common.log("\n" + "=" * 100)
     for c in configs:
         common.log(f"\n{c.title}, median of {args.repeats}:\n{text_table(c.rows)}")
