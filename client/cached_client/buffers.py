@@ -156,6 +156,7 @@ class Batch:
         return self._slot
 
     @property
+    # I79: a batch used after its buffers were reused raises StaleBatch.
     def stale(self) -> bool:
         """Whether the loader has reused this batch's memory for a later batch."""
         return self._slot is not None and self._slot.generation != self._generation

@@ -137,6 +137,7 @@ def check(state: Mapping[str, Any], identity: Mapping[str, Any]) -> None:
         raise UsageError(f"cannot resume {identity['loader']}: a damaged merged state")
 
 
+# I76: a resume on another world size reads the rest once.
 def rest(
     state: Mapping[str, Any], n_shards: int, lengths: Sequence[int] | None = None
 ) -> list[Part]:

@@ -109,6 +109,7 @@ class Heartbeat:
                 self.instance = instance
                 self._tell_again(sock)
 
+    # I47: after a restart the heartbeat tells the plan again.
     def _tell_again(self, sock: zmq.Socket[bytes]) -> None:
         """A daemon that restarted lost the reader's plans: tell it them now (on this
         socket; the connection tells them again on its own at its next request)."""

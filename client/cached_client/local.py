@@ -385,6 +385,7 @@ class LocalRead:
             self._samples = unpacked(self.rows)
         return self._samples
 
+    # I45: a failed local read heals through the socket.
     def _fall_back(self, exc: LocalUnavailable) -> list[Any]:
         if self._socket is None:
             log.info("%s; this read goes through the socket", exc)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Shard files kept open at once per connection: the shards being read, with room to spare.
+# I68: a connection holds at most 32 shard files.
 MAX_OPEN_FILES = 32
 # Bytes between two members that one read still spans (tar headers and padding, members not
 # asked for) rather than being split in two system calls: reading a gap is cheaper than a
@@ -96,6 +97,7 @@ class LocalFiles:
             os.close(old.fd)
         return fd
 
+    # I39: no descriptor of an evicted file is kept.
     def release(self, url: str) -> None:
         """Close the files of ``url``'s shard (before its lease goes: see the module)."""
         for path in [p for p, held in self._open.items() if held.url == url]:

@@ -57,6 +57,7 @@ def shard_order(n_shards: int, *, shuffle: bool, seed: int, epoch: int) -> list[
     return order
 
 
+# I71: each sample once per epoch across every reader.
 def reader_parts(
     n_shards: int,
     *,
@@ -83,6 +84,7 @@ def by_shard(order: Sequence[int], stream: int, streams: int) -> list[Part]:
     return [Part(shard, 0, None) for shard in order[stream::streams]]
 
 
+# I72: every reader gets batches of equal count.
 def by_sample(
     order: Sequence[int],
     lengths: Sequence[int],
@@ -135,6 +137,7 @@ def buffered_shuffle(
     return ShuffleBuffer[T](size, rng, initial, early=early).run(items)
 
 
+# I77, I78: the shuffle buffer is bounded and loses nothing.
 class ShuffleBuffer(Generic[T]):
     """:func:`buffered_shuffle` with its state in the open, so that a reader can save it
     between two items and a new one continue with exactly the same order.

@@ -136,6 +136,7 @@ def _int(value: str, name: str) -> int:
         raise UsageError(f"${name} is {value!r}, not a number") from None
 
 
+# I73: a node's shards are fixed by seed and node count.
 def owners(n_shards: int, nodes: int, seed: int, lengths: Sequence[int] | None = None) -> list[int]:
     """The node that owns each shard, the same in every epoch: a permutation fixed by
     (seed, nodes) dealt round-robin (node shard counts differ by at most one); with

@@ -80,6 +80,7 @@ def _length(conn: Connection, url: str, rid: int) -> int:
     return int(header["samples"])
 
 
+# I59, I61: a dataset is told while named, and again after a restart.
 def announce(
     conn: Connection,
     plan: str,

@@ -65,6 +65,7 @@ def fingerprint(items: Iterable[object]) -> str:
     return digest.hexdigest()[:16]
 
 
+# I75: a state saved by another job is refused.
 def check(state: Any, identity: Mapping[str, Any]) -> None:
     """Raise :class:`UsageError` unless ``state`` is a position saved by the reader that
     ``identity`` describes (same loader kind, shards, seed, shuffle, rank, world size and
@@ -167,6 +168,7 @@ class Position:
         self.parts = len(parts)
 
 
+# I74: a resume continues at the exact next sample.
 def resume_spans(
     urls: Sequence[str], parts: Sequence[Part], position: Position, picks: Iterable[Ref] = ()
 ) -> tuple[list[Span], list[int]]:

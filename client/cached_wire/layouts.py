@@ -191,6 +191,7 @@ def _sizes(reply: Any) -> list[tuple[str, list[tuple[str, int]]]] | None:
         return None
 
 
+# I43: a read asked again must describe the same samples.
 def check_refetch(url: str, local: list[Any], socket: Any) -> None:
     """A read asked again through the socket must describe the samples its local reply
     did (``local``: ``(key, [(ext, size), ...])`` each): the same keys, members and

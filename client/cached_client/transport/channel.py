@@ -286,6 +286,7 @@ class Channel:
         if isinstance(rid, int) and self._pending.pop(rid, None) is not None:
             self._early[rid] = (header, frames)
 
+    # I49: a half-read reply is never taken for a whole one.
     def _recv_header(self) -> Header:
         """The next message's header frame, after discarding what a caller left unread of
         the previous message."""
@@ -309,6 +310,7 @@ class Channel:
         if beat is not None and beat.instance != self._instance:
             self._restarted(beat.instance)
 
+    # I47, I48: after a daemon restart the plan is told again and reads go on.
     def _restarted(self, instance: Any) -> None:
         """The daemon restarted under us: whatever it had not answered is lost with the old
         process, so ask again (reads are idempotent; a late duplicate reply is dropped)."""

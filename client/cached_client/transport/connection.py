@@ -156,6 +156,7 @@ class Connection(Channel):
         connection went back to the socket."""
         return self._local_answered
 
+    # I39, I40: no descriptor of an evicted file, no lease left behind.
     def release(self, url: str, stream: str) -> None:
         """Give back the stream's pin on ``url``'s shard, without waiting: with the
         stream's next open or read where the daemon understands that (one request less
@@ -266,6 +267,7 @@ class Connection(Channel):
         )
         return Reply(header, [], local=local)
 
+    # I42: files this process cannot reach are read through the socket.
     def _lost(self, exc: LocalUnavailable) -> None:
         """Local reads will not work from this process: stop asking for them, or, where
         they were required, say so."""
