@@ -54,10 +54,10 @@ from unittest import mock
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cached_client import jobs, placement, resume, transport
+from cached_client import jobs, placement, resume
 from cached_client.partition import Part
 from cached_client.reader import announce
-from cached_client.transport import Connection
+from cached_client.transport import Connection, connection
 from cached_wire.catalog import Catalog
 from cached_wire.protocol import Header, Op, decode, encode
 from cached_wire.urls import check_all
@@ -152,7 +152,7 @@ def plan_frames() -> Iterator[tuple[list[bytes], list[bytes]]]:
             told.append(frame)
         return frame
 
-    with mock.patch.object(transport, "encode", encoding):
+    with mock.patch.object(connection, "encode", encoding):
         yield plans, told
 
 
