@@ -176,13 +176,15 @@ def test_a_disk_that_fills_mid_write_drops_the_partial_file_evicts_and_fetches_a
             assert keys_and_bins(urls[:3], d.socket) == {
                 k: v for k, v in want.items() if not k.startswith("s0003-")
             }
-            proxy.rate_bps = 2 * MiB  # the last one takes 1.5 s to arrive
+            # The last one takes 6 s to arrive: the watcher below fills the disk mid-write
+            # even when it gets its turn late (a long test session holds many threads).
+            proxy.rate_bps = MiB // 2
 
             filled = threading.Event()
 
             def fill_once_it_writes() -> None:
                 # The partial file is there once the room is reserved, before the body
-                # comes (1.5 s): the disk fills between the tier's look and its write.
+                # comes (6 s): the disk fills between the tier's look and its write.
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline:
                     if any(disk.glob("*.tar.partial")):
