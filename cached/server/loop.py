@@ -101,9 +101,9 @@ class Server:
         self.bounds = bounds = bounds or Bounds()
         held = Holdings.of(hot, bounds, lease_timeout_s, planner)
         # What clients hold, for the daemon's status and the tests.
-        self.leases, self.planner, self.datasets = held.leases, held.planner, held.datasets
+        self.leases, self.datasets = held.leases, held.datasets
         self.plan_quota, self.plan_urls = held.plan_quota, held.plan_urls
-        self.dataset_urls, self.memory = held.dataset_urls, held.memory
+        self.dataset_urls = held.dataset_urls
         self.jobs = jobs if jobs is not None else JobBoard(metrics)
         # Requests' work off the event loop: threads of its own, a few jobs per user.
         self.offload = Offload()

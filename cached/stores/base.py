@@ -10,6 +10,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO, Protocol
 
+from cached_wire.urls import ShardURL, parse
+
 from ..errors import FetchError
 
 # Receives the object's bytes in order, exactly once each, as runs of one or more chunks
@@ -18,6 +20,18 @@ from ..errors import FetchError
 Sink = Callable[[Sequence[bytes]], Awaitable[None]]
 # Tells the sink to forget every byte it was given: the object is sent again from byte 0.
 Rewind = Callable[[], Awaitable[None]]
+
+
+def located(url: str, scheme: str, kind: str) -> ShardURL:
+    """``url`` parsed, a :class:`FetchError` where it is not a shard URL of ``scheme``
+    (``kind`` names one in the message: "an s3:// URL")."""
+    try:
+        parsed = parse(url)
+    except ValueError as exc:
+        raise FetchError(str(exc)) from exc
+    if parsed.scheme != scheme:
+        raise FetchError(f"{url}: not {kind}")
+    return parsed
 
 
 class ObjectChanged(FetchError):

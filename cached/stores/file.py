@@ -14,10 +14,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from cached_wire.urls import parse
-
 from ..errors import FetchError, ObjectNotFound, VerifyError
-from .base import ObjectChanged, ObjectInfo, Opened, OwnsStack, Rewind, Sink, stream_to_file
+from .base import (
+    ObjectChanged,
+    ObjectInfo,
+    Opened,
+    OwnsStack,
+    Rewind,
+    Sink,
+    located,
+    stream_to_file,
+)
 
 ENDPOINT = "file://"
 _MIN_CHUNK = 1 << 20
@@ -25,13 +32,7 @@ _MAX_CHUNK = 8 << 20
 
 
 def _path(url: str) -> str:
-    try:
-        parsed = parse(url)
-    except ValueError as exc:
-        raise FetchError(str(exc)) from exc
-    if parsed.scheme != "file":
-        raise FetchError(f"{url}: not a file:// URL")
-    return parsed.path
+    return located(url, "file", "a file:// URL").path
 
 
 def _os_error(url: str, exc: OSError) -> FetchError:

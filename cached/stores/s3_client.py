@@ -18,12 +18,12 @@ from aiobotocore.config import AioConfig
 from aiobotocore.httpsession import AIOHTTPSession
 from aiobotocore.session import AioSession
 from botocore import exceptions as boto_exc
-from cached_wire.urls import ShardURL, parse
+from cached_wire.urls import ShardURL
 
 from ..config import S3Config
 from ..errors import CachedError, FetchError, ObjectArchived, ObjectNotFound, VerifyError
 from . import checksums, native
-from .base import ObjectChanged, ObjectInfo, OwnsStack
+from .base import ObjectChanged, ObjectInfo, OwnsStack, located
 from .pacing import RequestPacer
 from .retry import OnRetry, RetryPolicy, retrying
 
@@ -187,13 +187,7 @@ class _HTTPSession(AIOHTTPSession):  # type: ignore[misc]  # aiobotocore is unty
 
 
 def _s3_location(url: str) -> ShardURL:
-    try:
-        parsed = parse(url)
-    except ValueError as exc:
-        raise FetchError(str(exc)) from exc
-    if parsed.scheme != "s3":
-        raise FetchError(f"{url}: not an s3:// URL")
-    return parsed
+    return located(url, "s3", "an s3:// URL")
 
 
 class S3Client(OwnsStack):
