@@ -13,10 +13,12 @@ import logging
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cached_client.transport.channel import Channel
 
 from tests import rgw
 from tests.daemon import isolate_env
@@ -135,3 +137,29 @@ def public_dir() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+# Every client channel made in this process, to close after the test that made it.
+_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
+_channel_init = Channel.__init__
+
+
+def _tracked_init(self: Channel, *args: object, **kwargs: object) -> None:
+    _channel_init(self, *args, **kwargs)  # type: ignore[arg-type]
+    _channels.add(self)
+
+
+Channel.__init__ = _tracked_init  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def close_left_channels() -> Iterator[None]:
+    """Close the channels a test left open. An unclosed channel's heartbeat thread keeps
+    it alive and beating for the rest of the session, and hundreds of them starve the
+    daemons that later tests run in this process (a hello unanswered in 5 s, a watcher
+    thread that came too late). A channel used again reopens itself."""
+    before = set(_channels)
+    yield
+    for channel in list(_channels):
+        if channel not in before:
+            channel.close()
